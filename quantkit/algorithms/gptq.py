@@ -1,0 +1,156 @@
+"""GPTQ (Frantar et al. 2022): quantize a weight column by column, pushing each column's rounding
+error onto the columns not yet quantized, weighted by the inverse Hessian of the layer loss.
+
+The layer loss is ||X W^T - X Q^T||^2 over calibration inputs X, whose Hessian is H = 2/n X^T X. With
+the upper Cholesky factor U of H^-1, quantizing column i and updating the rest by
+`W[:, i:] -= (w_i - q_i) / U_ii * U[i, i:]` is the optimal-brain-surgeon update; doing it in blocks of
+`block_size` columns with one matrix product per block ("lazy batch updates") keeps it fast.
+
+- Dampening: `dampening_frac x mean(diag H)` is added to the diagonal; if the Cholesky factorisation
+  still fails the damping is multiplied by 10 (up to 6 times) and the value used is returned.
+- Columns whose input is always zero (diag H == 0) are set to zero and given H_ii = 1.
+- Activation order: "none" keeps column order; "static" quantizes columns in order of decreasing
+  H_ii but takes every group's scale from the original weight first, so the export needs no g_idx
+  (vLLM's fast path); "group" also permutes but fixes each group's scale when its first permuted
+  column is reached, which needs `g_idx` in the export.
+- Several weights that read the same input (q/k/v, gate/up) share H and are stacked along rows: GPTQ
+  treats rows independently, so this is exact and saves the per-column Python loop.
+- All math in fp32 (the Hessian, its inverse and the updates); scales are rounded to their storage
+  dtype before any code is chosen, as in RTN.
+
+Left out: sparsity (SparseGPT), per-row adaptive group sizes, and Hessians in reduced precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.algorithms.rtn import QParams, compute_qparams, dequantize_codes, group_size_for, quantize_codes
+from quantkit.schemes import WeightSpec
+
+
+class HessianAccumulator:
+    """Running H = 2/n sum x x^T over calibration tokens, in fp32."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu"):
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        n_new = x.shape[0]
+        self.H.mul_(self.n / (self.n + n_new))
+        self.n += n_new
+        x = x * (2.0 / self.n) ** 0.5
+        self.H.addmm_(x.t(), x)  # [in, in]
+
+
+@dataclass
+class GPTQResult:
+    weight: torch.Tensor  # [out, in] fp32 dequantized
+    qparams: QParams
+    g_idx: torch.Tensor | None  # [in] int32 column -> group, only for actorder "group"
+    loss: torch.Tensor  # [out] per-row GPTQ objective sum (w - q)^2 / U_ii^2 / 2
+    damping: float  # the absolute dampening finally added to diag(H)
+
+
+def _inverse_cholesky(H: torch.Tensor, frac: float, max_tries: int = 6) -> tuple[torch.Tensor, float]:
+    damp = frac * torch.mean(torch.diag(H)).item()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    for _ in range(max_tries + 1):
+        L, info = torch.linalg.cholesky_ex(H + damp * eye)
+        if info.item() == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info2.item() == 0 and torch.isfinite(U).all():
+                return U, damp
+        damp *= 10.0
+    raise FloatingPointError(f"Cholesky factorisation failed even with dampening {damp:.3g}; the calibration "
+                             "inputs of this layer are degenerate (too few tokens?)")
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: WeightSpec, block_size: int = 128,
+                  dampening_frac: float = 0.01, actorder: str = "static",
+                  scale_dtype: torch.dtype = torch.bfloat16) -> GPTQResult:
+    W = W.detach().float().clone()  # [out, in]
+    H = H.detach().float().clone()  # [in, in]
+    out_f, in_f = W.shape
+    g = group_size_for(spec, in_f)
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    # static groups (and none): scales from the original weight, fixed up front
+    qp_static = compute_qparams(W, spec, scale_dtype) if actorder != "group" else None
+
+    perm = None
+    if actorder in ("static", "group"):
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+
+    U, damp = _inverse_cholesky(H, dampening_frac)
+    del H
+
+    Q = torch.zeros_like(W)
+    losses = torch.zeros(out_f, dtype=torch.float32, device=W.device)
+    n_groups = in_f // g
+    scale_cols = torch.empty(out_f, in_f, device=W.device)  # per permuted column
+    zp_cols = torch.empty(out_f, in_f, device=W.device) if not spec.symmetric and spec.type == "int" else None
+    if qp_static is not None:
+        col_group = (perm if perm is not None else torch.arange(in_f, device=W.device)) // g
+        scale_cols.copy_(qp_static.scale[:, col_group])
+        if zp_cols is not None:
+            zp_cols.copy_(qp_static.zero_point[:, col_group])
+    group_scale = torch.empty(out_f, n_groups, device=W.device)
+    group_zp = torch.empty(out_f, n_groups, device=W.device) if zp_cols is not None else None
+
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()  # [out, b]
+        Q1 = torch.zeros_like(W1)
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]  # [b, b]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if qp_static is None and col % g == 0:
+                # group actorder: this group's scale from its (already updated) permuted columns
+                block = torch.cat([W1[:, i:], W[:, i2:col + g]], dim=1)[:, :g]  # [out, g]
+                qp = compute_qparams(block, _as_channel(spec), scale_dtype)
+                scale_cols[:, col:col + g] = qp.scale
+                group_scale[:, col // g] = qp.scale[:, 0]
+                if zp_cols is not None:
+                    zp_cols[:, col:col + g] = qp.zero_point
+                    group_zp[:, col // g] = qp.zero_point[:, 0]
+            w = W1[:, i]  # [out]
+            d = U1[i, i]
+            s = scale_cols[:, col]
+            z = zp_cols[:, col] if zp_cols is not None else None
+            q = dequantize_codes(quantize_codes(w, s, z, spec), s, z, spec)
+            Q1[:, i] = q
+            err = (w - q) / d
+            losses += err.pow(2) / 2
+            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)  # [out, b - i]
+            E1[:, i] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]  # [out, b] @ [b, in - i2]
+
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q = Q[:, inv]
+    if qp_static is not None:
+        qparams = qp_static
+    else:
+        qparams = QParams(group_scale, group_zp, g)
+        g_idx = (inv // g).to(torch.int32)  # original column -> group
+    return GPTQResult(Q, qparams, g_idx, losses, damp)
+
+
+def _as_channel(spec: WeightSpec) -> WeightSpec:
+    from dataclasses import replace
+
+    return replace(spec, strategy="channel", group_size=None)

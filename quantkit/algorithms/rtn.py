@@ -1,0 +1,153 @@
+"""Round-to-nearest quantization: scales, zero points, quantize / dequantize, SQNR. Pure tensor math.
+
+Method: per output channel, or per group of `group_size` input columns, pick a scale from the
+min/max of the weights (symmetric: absmax / qmax; asymmetric: (max - min) / (qmax - qmin) with an
+integer zero point) and round each weight to the nearest code. Integer codes use the signed range
+[-2^(b-1), 2^(b-1) - 1] for both symmetric and asymmetric schemes, as compressed-tensors and vLLM do.
+FP8 (e4m3) weights use absmax / 448 per channel and a cast instead of rounding to integers.
+
+Scales are rounded to the dtype they are stored in (bf16 by default) *before* codes are computed, so
+the dequantized weight we compute is bit-for-bit what the engine computes from the checkpoint.
+
+Trade-offs: min/max scales waste range on outliers; `clip_search` (a small grid of shrink factors,
+keeping the one with the lowest squared error per group) recovers part of it at a few extra passes
+over the weight. Left out: learned rounding, non-uniform codebooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.schemes import ActivationSpec, WeightSpec
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+
+
+@dataclass
+class QParams:
+    scale: torch.Tensor  # [out, n_groups] fp32 holding values exactly representable in the storage dtype
+    zero_point: torch.Tensor | None  # [out, n_groups] fp32 integer-valued, asymmetric only
+    group_size: int  # columns per scale (== in_features for per-channel)
+
+
+def group_size_for(spec: WeightSpec, in_features: int) -> int:
+    if spec.strategy == "group":
+        assert spec.group_size is not None
+        return spec.group_size
+    return in_features
+
+
+def check_divisible(spec: WeightSpec, in_features: int, name: str) -> None:
+    g = group_size_for(spec, in_features)
+    if in_features % g:
+        ok = [d for d in (256, 128, 64, 32, 16) if in_features % d == 0]
+        raise ValueError(f"{name}: in_features {in_features} is not divisible by group_size {g}; "
+                         f"use group_size {ok[0] if ok else -1} (or -1 for per-channel)")
+
+
+def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype):
+    """Scale/zero point from per-group min and max (any shape), rounded to the storage dtype."""
+    if spec.type == "float":
+        absmax = torch.maximum(wmin.abs(), wmax.abs())
+        scale = (absmax / FP8_MAX).clamp(min=1e-12).to(scale_dtype).float()
+        return scale, None
+    if spec.symmetric:
+        absmax = torch.maximum(wmin.abs(), wmax.abs())
+        scale = (absmax / spec.qmax).clamp(min=1e-10).to(scale_dtype).float()
+        return scale, None
+    wmin = wmin.clamp(max=0)
+    wmax = wmax.clamp(min=0)
+    scale = ((wmax - wmin) / (spec.qmax - spec.qmin)).clamp(min=1e-10).to(scale_dtype).float()
+    zp = torch.round(spec.qmin - wmin / scale).clamp(spec.qmin, spec.qmax)
+    return scale, zp
+
+
+def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
+                    clip_search: bool = False) -> QParams:
+    """Scales for a [out, in] weight. With `clip_search`, shrink each group's range where that lowers MSE."""
+    out_f, in_f = w.shape
+    g = group_size_for(spec, in_f)
+    wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_groups, g]
+    wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, n_groups]
+    scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype)
+    if clip_search and spec.type == "int":
+        best_err = _group_error(wg, scale, zp, spec)
+        for shrink in (0.95, 0.9, 0.85, 0.8, 0.75):
+            s2, z2 = _minmax_qparams(wmin * shrink, wmax * shrink, spec, scale_dtype)
+            err = _group_error(wg, s2, z2, spec)
+            better = err < best_err
+            scale = torch.where(better, s2, scale)
+            if zp is not None:
+                zp = torch.where(better, z2, zp)
+            best_err = torch.minimum(err, best_err)
+    return QParams(scale, zp, g)
+
+
+def _group_error(wg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
+    s = scale.unsqueeze(-1)  # [out, n_groups, 1]
+    z = zp.unsqueeze(-1) if zp is not None else None
+    deq = dequantize_codes(quantize_codes(wg, s, z, spec), s, z, spec)
+    return (deq - wg).pow(2).sum(-1)  # [out, n_groups]
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
+    """Codes (as fp32 values) for `w` with broadcastable scale/zero point."""
+    if spec.type == "float":
+        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    q = torch.round(w / scale)
+    if zp is not None:
+        q = q + zp
+    return q.clamp(spec.qmin, spec.qmax)
+
+
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
+    if zp is not None:
+        q = q - zp
+    return q * scale
+
+
+def expand(qp: QParams, in_features: int, g_idx: torch.Tensor | None = None):
+    """Per-column scale/zero point, [out, in], following `g_idx` (column -> group) when given."""
+    if g_idx is None:
+        g_idx = torch.arange(in_features, device=qp.scale.device) // qp.group_size
+    s = qp.scale[:, g_idx]
+    z = qp.zero_point[:, g_idx] if qp.zero_point is not None else None
+    return s, z
+
+
+def fake_quantize(w: torch.Tensor, qp: QParams, spec: WeightSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize a [out, in] weight (fp32 result)."""
+    s, z = expand(qp, w.shape[1], g_idx)
+    return dequantize_codes(quantize_codes(w.float(), s, z, spec), s, z, spec)
+
+
+def rtn(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
+        clip_search: bool = False) -> tuple[torch.Tensor, QParams]:
+    qp = compute_qparams(w, spec, scale_dtype, clip_search)
+    return fake_quantize(w, qp, spec), qp
+
+
+def fake_quantize_activations(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """Dynamic per-token symmetric quantize-dequantize of activations [..., features]."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    if spec.type == "float":
+        scale = (absmax / FP8_MAX).clamp(min=1e-12)
+        q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        qmax = 2 ** (spec.num_bits - 1) - 1
+        scale = (absmax / qmax).clamp(min=1e-10)
+        q = torch.round(xf / scale).clamp(-qmax - 1, qmax)
+    return (q * scale).to(x.dtype)
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10 log10(|ref|^2 / |ref - approx|^2)."""
+    ref = ref.double()
+    noise = (ref - approx.double()).pow(2).sum()
+    signal = ref.pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(signal / noise))

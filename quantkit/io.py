@@ -1,0 +1,89 @@
+"""Small file helpers: atomic writes, checksums, peak memory."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Build a folder under a temporary name beside `final`; rename it into place only on success.
+
+    A crash leaves at most `.<name>.tmp-*` behind, never a half-written folder under the final name.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists (choose another output, or remove it first)")
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_dir(src: Path, final: Path) -> None:
+    """Move a finished folder to `final`, replacing an old one with two renames (never a gap of junk)."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(src, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, final)
+    fsync_dir(final.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

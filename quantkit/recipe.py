@@ -1,0 +1,306 @@
+"""The recipe: one YAML file that says everything about a conversion, its evaluation, gates and publish.
+
+Validated with pydantic (every model forbids unknown keys) before any weight loads. Every error names
+the file, the field path, the bad value and what is allowed, e.g.
+`recipes/x.yaml: stages[0].scheme: 'W4A61' is not a known scheme (known: W4A16, W8A8, ...)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from quantkit.schemes import SCHEMES
+
+
+class RecipeError(ValueError):
+    """A recipe problem, already phrased for the user (file: field: problem)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------------------------------------- model
+class ModelSpec(_Strict):
+    path: str = Field(description="local HF folder, a .gguf file, a hub id, or a demo name (smollm2-135m)")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+# -------------------------------------------------------------------------------------- calibration
+class DataSource(_Strict):
+    type: Literal["text", "jsonl", "parquet", "disk", "hub", "chat"]
+    path: str = Field(description="file, glob, folder, or hub dataset name (type: hub)")
+    field: str = "text"  # jsonl / parquet / disk / hub: the text column; chat: the messages column
+    split: str = "train"  # disk / hub
+    weight: float = Field(1.0, gt=0, description="share of the packed tokens drawn from this source")
+
+
+class CalibrationSpec(_Strict):
+    sources: list[DataSource] = Field(min_length=1)
+    num_samples: int = Field(32, ge=1)
+    seq_len: int = Field(512, ge=8)
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------- stages
+class _StageBase(_Strict):
+    scheme: str
+    group_size: int | None = Field(None, description="override the scheme's group size; -1 = per channel")
+    symmetric: bool | None = None
+    targets: list[str] = Field(default_factory=lambda: ["Linear"],
+                               description="module class names, or 're:<regex>' on module names")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+
+    @field_validator("scheme")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        if v not in SCHEMES:
+            raise ValueError(f"{v!r} is not a known scheme (known: {', '.join(SCHEMES)})")
+        return v
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and (v <= 0 or v % 2):
+            raise ValueError(f"{v!r} is not a valid group size (use a positive even number, or -1 per channel)")
+        return v
+
+    @field_validator("targets", "ignore")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as exc:
+                    raise ValueError(f"{p!r} is not a valid regular expression ({exc})") from None
+        return v
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+
+class RTNStage(_StageBase):
+    """Round-to-nearest: min-max scales, no calibration data needed."""
+
+    method: Literal["rtn"]
+
+
+class GPTQStage(_StageBase):
+    """GPTQ (Frantar et al. 2022): second-order rounding from calibration Hessians."""
+
+    method: Literal["gptq"]
+    block_size: int = Field(128, ge=1)
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+    actorder: Literal["none", "static", "group"] = "static"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+Stage = Annotated[Union[RTNStage, GPTQStage], Field(discriminator="method")]
+METHODS = ("rtn", "gptq")
+
+
+# ------------------------------------------------------------------------------------------- export
+class ExportSpec(_Strict):
+    format: Literal["compressed-tensors"] = "compressed-tensors"
+    output_dir: str | None = Field(None, description="default: runs/<name>")
+    max_shard_size_mb: int = Field(2000, ge=1)
+
+
+# --------------------------------------------------------------------------------- eval/gates/publish
+class WorkloadSpec(_Strict):
+    num_requests: int = Field(32, ge=1)
+    prompt_tokens: tuple[int, int] = (64, 256)
+    output_tokens: tuple[int, int] = (32, 128)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4])
+    warmup_requests: int = Field(2, ge=0)
+    seed: int = 0
+
+
+class EvalSpec(_Strict):
+    suite: str = "default"
+    perplexity_files: list[str] = Field(default_factory=lambda: ["calibration/heldout/technical.txt"])
+    tasks: list[str] = Field(default_factory=lambda: ["qk_suite"])
+    task_limit: int | None = Field(None, ge=1)
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    variants: list[dict[str, Any]] = Field(default_factory=list)
+    price_per_hour: float | None = Field(None, ge=0)
+
+
+class GateSpec(_Strict):
+    metric: str
+    op: Literal["<=", ">=", "<", ">"]
+    threshold: float
+    relative: bool = Field(False, description="compare candidate / baseline instead of the candidate value")
+
+
+class PublishSpec(_Strict):
+    registry: str | None = Field(None, description="default: the embedded MLflow registry in QUANTKIT_HOME")
+    name: str | None = None
+    alias: str = "production"
+
+
+# ------------------------------------------------------------------------------------------- recipe
+class Recipe(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    model: ModelSpec
+    calibration: CalibrationSpec | None = None
+    stages: list[Stage] = Field(min_length=1)
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    gates: list[GateSpec] = Field(default_factory=list)
+    publish: PublishSpec = Field(default_factory=PublishSpec)
+
+    @model_validator(mode="after")
+    def _calibration_present(self) -> "Recipe":
+        for i, st in enumerate(self.stages):
+            if st.needs_calibration and self.calibration is None:
+                raise ValueError(f"stages[{i}] ({st.method}) needs calibration data: add a `calibration:` "
+                                 "section with at least one source")
+        return self
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------ error handling
+def _loc_to_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in METHODS and out.endswith("]"):
+            continue  # the discriminated-union tag pydantic inserts
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "<root>"
+
+
+def _allowed_fields(loc: tuple) -> list[str]:
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        if part in METHODS:
+            model = {"rtn": RTNStage, "gptq": GPTQStage}[part]
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        model = None
+        for cand in _candidates(ann):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                model = cand
+                break
+    return sorted(getattr(model, "model_fields", {})) if model else []
+
+
+def _candidates(ann: Any) -> list[Any]:
+    args = getattr(ann, "__args__", None)
+    if not args:
+        return [ann]
+    out = []
+    for a in args:
+        out.extend(_candidates(a))
+    return out
+
+
+def format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        path = _loc_to_path(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_fields(err["loc"])
+            msg = f"unknown key {err['loc'][-1]!r}" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+        elif err["type"] == "union_tag_invalid":
+            msg = f"{err['ctx']['tag']!r} is not a known method (known: {', '.join(METHODS)})"
+        elif err["type"] == "union_tag_not_found":
+            msg = f"missing 'method' (known: {', '.join(METHODS)})"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        elif err["type"] == "literal_error":
+            msg = f"{value!r} is not allowed ({err['ctx']['expected']})"
+        elif not isinstance(value, (dict, list)) and "is not" not in msg:
+            msg = f"{value!r}: {msg}"
+        lines.append(f"{source}: {path}: {msg}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- overrides
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `--set a.b[0].c=value` (value parsed as YAML) to the raw recipe dict in place."""
+    if "=" not in assignment:
+        raise RecipeError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set calibration.num_samples=64")
+    key, raw = assignment.split("=", 1)
+    parts = [p for p in _INDEX.sub(r".\1", key.strip()).split(".") if p]
+    if not parts:
+        raise RecipeError(f"--set {assignment!r}: empty key")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        nxt_is_index = parts[i + 1].isdigit()
+        if isinstance(node, list):
+            idx = int(part)
+            if idx >= len(node):
+                raise RecipeError(f"--set {key}: index {idx} out of range (the list has {len(node)} items)")
+            node = node[idx]
+        else:
+            if part not in node or node[part] is None:
+                node[part] = [] if nxt_is_index else {}
+            node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        if idx >= len(node):
+            raise RecipeError(f"--set {key}: index {idx} out of range (the list has {len(node)} items)")
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: the recipe must be a YAML mapping with at least name, model and stages")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_errors(exc, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such recipe file (try `quantkit recipes list`)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(data, dict):
+        for ov in overrides or []:
+            apply_override(data, ov)
+    source = str(path) + (" (with --set overrides)" if overrides else "")
+    return parse_recipe(data, source)
