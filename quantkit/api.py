@@ -71,8 +71,12 @@ def _log_to(path: Path, quiet: bool):
 
 
 def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, overwrite: bool = False,
-            quiet: bool = False) -> Path:
-    """Recipe -> compressed-tensors checkpoint + manifest.json in `output`. Resumes an unfinished run."""
+            quiet: bool = False, capture: dict | None = None) -> Path:
+    """Recipe -> compressed-tensors checkpoint + manifest.json in `output`. Resumes an unfinished run.
+
+    `capture`, when given, receives every quantized module's dequantized weight (for tests and tools
+    that compare the export against the in-memory quantized model).
+    """
     from transformers import AutoTokenizer
 
     from quantkit.data import build_calibration_set
@@ -103,19 +107,18 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
             log.info("resuming after layer %d", start - 1)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         process_layers(model, arch, ckpt, plans, recipe, work, start,
-                       calib.input_ids if calib else None, device, quiet)
+                       calib.input_ids if calib else None, device, quiet, capture)
 
         n_layers = len(plans)
         stats = work.layer_stats(n_layers)
         export_dir = partial / "export"
         shutil.rmtree(export_dir, ignore_errors=True)
         export_dir.mkdir()
-        layer_prefix = arch.layers + "."
-        quantized_keys = {k.rsplit(".", 1)[0] for k in stats}  # module names
+        replaced = {m + ".weight" for m in stats}  # the float weights the compressed tensors replace
 
         def tensors():
             for k in ckpt.keys():  # everything the pipeline did not quantize, as stored
-                if not k.startswith(layer_prefix) or k.rsplit(".", 1)[0] not in quantized_keys:
+                if k not in replaced:
                     yield k, ckpt.get(k)
             yield from iter_safetensors(work.layer_files(n_layers))
 

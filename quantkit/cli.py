@@ -134,6 +134,14 @@ def models_fetch(name: Annotated[str, typer.Argument(help="Demo model name, e.g.
         _fail(str(exc))
 
 
+# Commands that live in their own modules, registered explicitly (no discovery).
+from quantkit.cli_eval import register as _register_eval  # noqa: E402
+from quantkit.cli_registry import register as _register_registry  # noqa: E402
+
+_register_eval(app)
+_register_registry(app)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

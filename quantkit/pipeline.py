@@ -124,7 +124,8 @@ def plan_layers(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> tuple[list[
 
 # ------------------------------------------------------------------------------------------ layer work
 def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], recipe: Recipe,
-                   x: torch.Tensor | None, scale_dtype: torch.dtype) -> dict[str, dict]:
+                   x: torch.Tensor | None, scale_dtype: torch.dtype,
+                   capture: dict | None = None) -> dict[str, dict]:
     """Quantize one sequential group in place (weights replaced by their dequantized values).
 
     Returns per-module results: compressed tensors and diagnostics.
@@ -171,16 +172,19 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], re
                 stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ deq.t()), 3)
             tensors = compress_linear(t.name, deq, scale, zp, g_idx, t.ct_scheme, scale_dtype)
             m.weight.data = deq.to(m.weight.dtype)
+            if capture is not None:
+                capture[t.name] = deq.detach().cpu().clone()
             out[t.name] = {"stats": stats, "tensors": tensors}
     return out
 
 
 def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.Tensor | None,
-              layer_kwargs: dict | None, scale_dtype: torch.dtype) -> tuple[dict[str, dict], torch.Tensor | None]:
+              layer_kwargs: dict | None, scale_dtype: torch.dtype,
+              capture: dict | None = None) -> tuple[dict[str, dict], torch.Tensor | None]:
     results: dict[str, dict] = {}
     if hidden is None:  # weights only: no calibration forward
         for members in plan.groups:
-            results.update(quantize_group(layer, plan.prefix, members, recipe, None, scale_dtype))
+            results.update(quantize_group(layer, plan.prefix, members, recipe, None, scale_dtype, capture))
         return results, None
 
     handles = []
@@ -188,7 +192,7 @@ def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.T
         mod = layer.get_submodule(hooked[len(plan.prefix):])
 
         def pre_hook(_m, args, members=members):
-            results.update(quantize_group(layer, plan.prefix, members, recipe, args[0], scale_dtype))
+            results.update(quantize_group(layer, plan.prefix, members, recipe, args[0], scale_dtype, capture))
 
         handles.append(mod.register_forward_pre_hook(pre_hook))
         # what the engine does at run time: dynamic per-token activation quantization (W8A8, FP8)
@@ -308,7 +312,7 @@ class WorkDir:
 
 def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plans: list[LayerPlan],
                    recipe: Recipe, work: WorkDir, start: int, input_ids: torch.Tensor | None,
-                   device: torch.device, quiet: bool = False) -> None:
+                   device: torch.device, quiet: bool = False, capture: dict | None = None) -> None:
     compute = torch.float32
     scale_dtype = getattr(torch, recipe.model.dtype)
     layers = model.get_submodule(arch.layers)
@@ -325,7 +329,7 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plans
         layer = layers[i]
         materialize(layer, plans[i].prefix, ckpt, compute, device)
         results, hidden = run_layer(layer, plans[i], recipe, hidden, layer_kwargs[i] if layer_kwargs else None,
-                                    scale_dtype)
+                                    scale_dtype, capture)
         release(layer)
         work.save_layer(i, results, hidden.cpu() if hidden is not None else None)
         worst = min((r["stats"].get("output_sqnr_db", r["stats"]["weight_sqnr_db"]) for r in results.values()),

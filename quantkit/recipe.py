@@ -122,36 +122,97 @@ class ExportSpec(_Strict):
 
 # --------------------------------------------------------------------------------- eval/gates/publish
 class WorkloadSpec(_Strict):
-    num_requests: int = Field(32, ge=1)
-    prompt_tokens: tuple[int, int] = (64, 256)
-    output_tokens: tuple[int, int] = (32, 128)
-    concurrency: list[int] = Field(default_factory=lambda: [1, 4])
-    warmup_requests: int = Field(2, ge=0)
+    """The seeded serving workload, identical for baseline and candidate (lengths in tokens)."""
+
+    num_requests: int = Field(24, ge=1, description="measured requests per load level")
+    prompt_tokens: tuple[int, int] = Field((64, 256), description="uniform [min, max] prompt length")
+    output_tokens: tuple[int, int] = Field((32, 96), description="uniform [min, max] output length (ignore_eos)")
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4], description="closed-loop levels -> speed.c<N>")
+    request_rates: list[float] = Field(default_factory=list, description="open-loop Poisson req/s -> speed.r<R>")
+    warmup_requests: int = Field(2, ge=0, description="sent before each level, not measured")
+    temperature: float = Field(0.0, ge=0)
     seed: int = 0
+
+    @field_validator("prompt_tokens", "output_tokens")
+    @classmethod
+    def _range(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if v[0] < 1 or v[1] < v[0]:
+            raise ValueError(f"{list(v)!r} is not a valid [min, max] token range (need 1 <= min <= max)")
+        return v
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: list[int]) -> list[int]:
+        if any(c < 1 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"{v!r}: concurrency levels must be distinct positive integers")
+        return v
+
+
+class VariantSpec(_Strict):
+    """A serving variant: the candidate's speed workload rerun with these engine settings changed."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+    engine_args: dict[str, Any] = Field(min_length=1, description="vLLM server flags, e.g. enable_prefix_caching: true")
 
 
 class EvalSpec(_Strict):
-    suite: str = "default"
-    perplexity_files: list[str] = Field(default_factory=lambda: ["calibration/heldout/technical.txt"])
+    """What `quantkit eval` measures (a "suite"). Named suites live in evals/suites/<name>.yaml."""
+
+    suite: str = Field("default", description="label recorded in the report")
+    perplexity_files: list[str] = Field(default_factory=lambda: ["calibration/heldout/technical.txt",
+                                                                 "calibration/heldout/general.txt"])
+    perplexity_window: int = Field(512, ge=16, description="tokens per scored window")
+    perplexity_max_tokens: int | None = Field(8192, ge=16, description="per file; None = all")
+    logprobs_top_k: int = Field(20, ge=1, le=20, description="top-k for KL/agreement (vLLM max_logprobs=20)")
     tasks: list[str] = Field(default_factory=lambda: ["qk_suite"])
-    task_limit: int | None = Field(None, ge=1)
+    task_limit: int | None = Field(None, ge=1, description="items per task; None = all")
+    task_concurrency: int = Field(8, ge=1, description="parallel lm-eval requests")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    variants: list[dict[str, Any]] = Field(default_factory=list)
-    price_per_hour: float | None = Field(None, ge=0)
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM server flags")
+    max_model_len: int = Field(2048, ge=64)
+    kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on the CPU")
+    ready_timeout_s: float = Field(600.0, gt=0, description="engine start limit")
+    variants: list[VariantSpec] = Field(default_factory=list)
+    price_per_hour: float | None = Field(None, ge=0, description="USD per hour of the serving machine")
+
+
+# Metric names a gate may name, as an explicit registry of patterns (the families report.json uses).
+# A name that fits a family but is absent from a report still fails at gate time, saying which names exist.
+METRIC_PATTERNS = (
+    r"quality\.[a-z0-9_]+",                        # quality.perplexity, quality.kl_mean, quality.top1_agreement
+    r"tasks\.mean_acc",
+    r"tasks\.[A-Za-z0-9_.-]+\.[a-z0-9_]+",        # tasks.<task>.acc
+    r"speed\.c[0-9]+\.[a-z0-9_]+",                # speed.c4.tpot_ms_p90, speed.c1.output_tok_s
+    r"memory\.[a-z0-9_]+",                          # memory.weight_bytes, memory.kv_cache_tokens
+    r"cost\.[a-z0-9_]+",                            # cost.usd_per_mtok_output
+)
 
 
 class GateSpec(_Strict):
-    metric: str
+    """One gate: `metric op threshold`, on the candidate value or on candidate / baseline (relative)."""
+
+    metric: str = Field(description="a metric name from report.json, e.g. quality.perplexity")
     op: Literal["<=", ">=", "<", ">"]
     threshold: float
     relative: bool = Field(False, description="compare candidate / baseline instead of the candidate value")
+    name: str | None = Field(None, description="label shown in the gate table and JUnit (default: derived)")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        if not any(re.fullmatch(p, v) for p in METRIC_PATTERNS):
+            raise ValueError(f"{v!r} is not a metric name report.json uses (families: quality.<name>, "
+                             "tasks.<task>.acc, tasks.mean_acc, speed.c<N>.<name>, memory.<name>, cost.<name>)")
+        return v
 
 
 class PublishSpec(_Strict):
-    registry: str | None = Field(None, description="default: the embedded MLflow registry in QUANTKIT_HOME")
-    name: str | None = None
-    alias: str = "production"
+    registry: str | None = Field(None, description="MLflow tracking URI (http://..., sqlite:///...) or hf://org/name; "
+                                                   "default: the embedded MLflow registry in QUANTKIT_HOME")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             description="registered model name (default: the recipe name)")
+    alias: str = Field("production", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
+                       description="the serving alias that promote and rollback move by default")
 
 
 # ------------------------------------------------------------------------------------------- recipe

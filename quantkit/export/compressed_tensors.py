@@ -32,7 +32,7 @@ def compress_linear(prefix: str, weight: torch.Tensor, scale: torch.Tensor, zero
     if g_idx is not None:
         sd["weight_g_idx"] = g_idx.to(torch.int32)
     out = compressor.compress(sd, scheme)
-    return {f"{prefix}.{k}": v.detach().contiguous().cpu() for k, v in out.items()}
+    return {f"{prefix}.{k}": v.detach().cpu().contiguous().clone() for k, v in out.items()}  # own storage each
 
 
 def quantization_config(schemes: dict[str, QuantizationScheme], ignore: list[str]) -> ModelCompressor:

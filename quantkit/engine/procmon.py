@@ -1,0 +1,78 @@
+"""Peak memory of an engine's process tree (API server + EngineCore + workers), sampled with psutil.
+
+A background thread walks the tree every `interval_s` and records the peak of the summed RSS and the
+summed PSS (proportional set size: shared pages split between the processes that map them, so the
+sum does not double-count what the API server and the workers share). RSS sums are an upper bound;
+PSS sums are the better "how much RAM does this engine take" figure. Sampling can miss a peak that
+lasts less than one interval.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+
+
+def tree_memory(pid: int) -> tuple[int, int, int]:
+    """(rss_bytes, pss_bytes, n_processes) summed over `pid` and its descendants; zeros if gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0, 0, 0
+    rss = pss = n = 0
+    for p in procs:
+        try:
+            full = p.memory_full_info()
+        except psutil.AccessDenied:
+            try:
+                full = p.memory_info()
+            except psutil.Error:
+                continue
+        except psutil.Error:
+            continue
+        rss += full.rss
+        pss += getattr(full, "pss", full.rss)
+        n += 1
+    return rss, pss, n
+
+
+class ProcessTreeMonitor:
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.peak_rss = 0
+        self.peak_pss = 0
+        self.max_procs = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def start(self, pid: int) -> None:
+        self._pid = pid
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="qk-procmon", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        if self._pid is None:
+            return
+        rss, pss, n = tree_memory(self._pid)
+        self.peak_rss = max(self.peak_rss, rss)
+        self.peak_pss = max(self.peak_pss, pss)
+        self.max_procs = max(self.max_procs, n)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def snapshot(self) -> dict:
+        self.sample()
+        return {"peak_rss_bytes": self.peak_rss or None, "peak_pss_bytes": self.peak_pss or None,
+                "processes": self.max_procs}

