@@ -1,9 +1,52 @@
-"""CLI commands for evaluation (`quantkit eval`). Registered onto the main app by quantkit.cli."""
+"""CLI commands for evaluation (`quantkit eval`). Registered onto the main app by quantkit.cli.
+
+Examples:
+    quantkit eval runs/smollm2-w8a8-rtn                       # default suite, baseline from the manifest
+    quantkit eval runs/smollm2-w8a8-rtn --suite smoke -o /tmp/smoke
+    quantkit eval runs/x --suite evals/suites/serving.yaml --overwrite
+    quantkit eval runs/x --candidate-url http://127.0.0.1:30000 --served-model my-model   # another engine
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add the eval commands to `app`."""
+
+    @app.command("eval")
+    def eval_cmd(
+        artifact: Annotated[Optional[Path], typer.Argument(help="Artifact folder (with manifest.json).")] = None,
+        baseline: Annotated[Optional[Path], typer.Option("--baseline", help="Baseline model folder (default: the artifact's base model).")] = None,
+        suite: Annotated[Optional[str], typer.Option("--suite", help="Suite name in evals/suites (default, smoke, serving) or a YAML file; default: the recipe's eval section.")] = None,
+        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Report folder (default: <artifact>-eval beside the artifact).")] = None,
+        candidate_url: Annotated[Optional[str], typer.Option("--candidate-url", help="Measure an already-running OpenAI-compatible server as the candidate (engine type `openai`).")] = None,
+        baseline_url: Annotated[Optional[str], typer.Option("--baseline-url", help="Measure an already-running server as the baseline.")] = None,
+        served_model: Annotated[Optional[str], typer.Option("--served-model", help="Model name on the external server (default: its first).")] = None,
+        no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Measure the candidate only (no deltas, no divergence).")] = False,
+        overwrite: Annotated[bool, typer.Option(help="Replace an existing report folder.")] = False,
+    ) -> None:
+        """Load baseline and candidate into vLLM (one at a time) and measure quality, memory and speed on the same work."""
+        from quantkit.engine import EngineError
+        from quantkit.evaluate import run_eval
+        from quantkit.evaluate.tasks import TaskError
+        from quantkit.recipe import RecipeError
+
+        if artifact is None and candidate_url is None:
+            typer.echo("error: give an ARTIFACT folder or --candidate-url", err=True)
+            raise typer.Exit(2)
+        try:
+            out = run_eval(artifact, baseline, suite, output, candidate_url=candidate_url, baseline_url=baseline_url,
+                           served_model=served_model, skip_baseline=no_baseline, overwrite=overwrite,
+                           progress=lambda msg: typer.echo(msg, err=True))
+        except KeyboardInterrupt:
+            typer.echo("interrupted: engines stopped; partial figures are in the output's raw/ folder", err=True)
+            raise typer.Exit(130) from None
+        except (EngineError, TaskError, RecipeError, FileNotFoundError, FileExistsError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(str(out / "report.json"))

@@ -169,6 +169,9 @@ class EvalSpec(_Strict):
     task_concurrency: int = Field(8, ge=1, description="parallel lm-eval requests")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM server flags")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="engine compute dtype for both models; auto = the checkpoint's, but float32 on a CPU "
+                            "without native bf16 (no avx512_bf16/AMX), where bf16 matmuls are several times slower")
     max_model_len: int = Field(2048, ge=64)
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on the CPU")
     ready_timeout_s: float = Field(600.0, gt=0, description="engine start limit")

@@ -6,6 +6,7 @@ Parsed lines (vLLM 0.3x; each is optional, a missing one gives None, never a gue
 - `Model loading took 0.25 GiB memory and 1.2 seconds` (GPU runners) -> weight_bytes
 - `Checkpoint size: 0.15 GiB` (weight_utils) -> checkpoint_gib_engine
 - `Loading weights took 0.38 seconds` -> load_weights_s
+- `with config: ... dtype=torch.bfloat16` -> dtype (the activation/compute dtype the engine runs)
 - `init engine (profile, create kv cache, warmup model) took 1.41 s` -> init_engine_s
 
 `explain_failure` turns the last error in a failed start into one sentence that says what to check.
@@ -24,6 +25,7 @@ _PATTERNS = {
     "checkpoint_gib_engine": re.compile(r"Checkpoint size:\s*([\d.]+)\s*GiB"),
     "load_weights_s": re.compile(r"Loading weights took\s*([\d.]+)\s*seconds"),
     "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took\s*([\d.]+)"),
+    "dtype": re.compile(r"with config: .*?\bdtype=torch\.(\w+)"),
     "kernel": re.compile(r"Selected (\w+) for (\w+)"),
 }
 
@@ -39,7 +41,7 @@ def parse_engine_log(text: str) -> dict:
             out["kernels"] = sorted({f"{k} for {s}" for k, s in hits})
             continue
         val = hits[-1].replace(",", "") if isinstance(hits[-1], str) else hits[-1]
-        out[key] = int(val) if key == "kv_cache_tokens" else float(val)
+        out[key] = int(val) if key == "kv_cache_tokens" else (val if key == "dtype" else float(val))
     if "weight_gib" in out:
         out["weight_bytes"] = int(out.pop("weight_gib") * GIB)
     return out

@@ -66,19 +66,42 @@ def vllm_version() -> str | None:
     return None
 
 
+def resolve_dtype(dtype: str) -> tuple[str, str]:
+    """(dtype flag for vLLM, why). `auto` keeps the checkpoint's dtype except on a CPU-only machine whose
+    CPU lacks native bf16 (avx512_bf16 / amx_bf16): there vLLM's bf16 matmuls fall back to slow paths
+    (measured here: 512-token prefill 22 s in bf16 vs 7 s in float32 on a 2-core AVX2 CPU)."""
+    if dtype != "auto":
+        return dtype, "set in the suite"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "auto", "the checkpoint's dtype (GPU)"
+    except ImportError:
+        pass
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return "auto", "the checkpoint's dtype (CPU flags unknown)"
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return "auto", "the checkpoint's dtype (CPU has native bf16)"
+    return "float32", "float32: this CPU has no native bf16 (avx512_bf16/amx_bf16), bf16 matmuls are far slower"
+
+
 class VLLMServer:
     """Context manager: `with VLLMServer(model_dir, run_dir, name="candidate") as ep: ...`."""
 
     name = "vllm"
 
     def __init__(self, model_dir: Path, run_dir: Path, served_name: str, *, tokenizer_dir: Path | None = None,
-                 engine_args: dict[str, Any] | None = None, max_model_len: int = 2048, kv_cache_gib: float = 1.0,
+                 engine_args: dict[str, Any] | None = None, dtype: str = "auto", max_model_len: int = 2048, kv_cache_gib: float = 1.0,
                  ready_timeout_s: float = 600.0, monitor_interval_s: float = 0.5) -> None:
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir)
         self.served_name = served_name
         self.tokenizer_dir = Path(tokenizer_dir or model_dir)
         self.engine_args = dict(engine_args or {})
+        self.dtype, self.dtype_reason = resolve_dtype(dtype)
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.ready_timeout_s = ready_timeout_s
@@ -90,7 +113,7 @@ class VLLMServer:
         self.start_s: float | None = None
 
     def command(self, port: int) -> list[str]:
-        args = {"enforce_eager": True, "max_model_len": self.max_model_len, "dtype": "auto",
+        args = {"enforce_eager": True, "max_model_len": self.max_model_len, "dtype": self.dtype,
                 "served_model_name": self.served_name, "disable_uvicorn_access_log": True, **self.engine_args}
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--port", str(port), *engine_flags(args)]
@@ -102,6 +125,7 @@ class VLLMServer:
         env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         env["VLLM_NO_USAGE_STATS"] = "1"
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache between load levels (loopback only)
         env["HF_HUB_OFFLINE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -128,6 +152,7 @@ class VLLMServer:
             self.start_s = time.perf_counter() - t0
             info = parse_engine_log(self.log_path.read_text(encoding="utf-8", errors="replace"))
             info["start_s"] = round(self.start_s, 2)
+            info["dtype_reason"] = self.dtype_reason
             info["command"] = cmd
             return Endpoint("vllm", base, self.served_name, self.tokenizer_dir, version=vllm_version(),
                             log_path=self.log_path, pid=self.proc.pid, info=info)

@@ -9,7 +9,9 @@ drawn length (`ignore_eos`, `min_tokens`). Levels:
 - `c<N>`: closed loop, N requests in flight at all times (normal vs peak concurrency).
 - `r<R>`: open loop, Poisson arrivals at R requests/s (seeded), no cap on requests in flight.
 
-Each level starts with `warmup_requests` unmeasured requests, then sends all `num_requests` while a
+Each level starts with `warmup_requests` unmeasured requests, then empties vLLM's prefix cache
+(`POST /reset_prefix_cache`, served because the launcher sets VLLM_SERVER_DEV_MODE=1; an external
+server without it keeps its cache, recorded as `prefix_cache_reset: false`), then sends all `num_requests` while a
 `MetricsSampler` scrapes /metrics. Percentiles use linear interpolation between order statistics
 (numpy's default "linear" method).
 """
@@ -121,6 +123,7 @@ async def _run_level(ep, items, warmup, level: tuple[str, float], temperature, s
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
         if warmup:
             await _closed_loop(client, ep, warmup, max(1, int(value)) if kind == "c" else 2, temperature)
+        reset = await _reset_prefix_cache(client, ep.base_url)
         async with MetricsSampler(client, ep.base_url) as sampler:
             t0 = time.perf_counter()
             if kind == "c":
@@ -129,9 +132,19 @@ async def _run_level(ep, items, warmup, level: tuple[str, float], temperature, s
                 records = await _open_loop(client, ep, items, value, temperature, seed)
             wall = time.perf_counter() - t0
     summary = summarize_level(records, wall)
+    summary["prefix_cache_reset"] = reset
     summary["engine_metrics"] = sampler.summary()
     summary["records"] = [r.to_json() for r in records]
     return summary
+
+
+async def _reset_prefix_cache(client: httpx.AsyncClient, base_url: str) -> bool:
+    """Empty vLLM's prefix cache (dev-mode endpoint) so every level prefills its prompts for real."""
+    try:
+        r = await client.post(f"{base_url}/reset_prefix_cache", timeout=30)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
 
 
 def level_name(kind: str, value: float) -> str:

@@ -74,6 +74,11 @@ class RegistryClient(ABC):
     """One registry backend. Versions are strings of digits ("3"); aliases are names ("production")."""
 
     uri: str
+    explicit_uri: str | None = None  # what a user passes as --registry to reach it (None: the default)
+
+    def default_name(self) -> str | None:
+        """A model name the registry URI itself implies (hf://org/name), else None."""
+        return None
 
     @abstractmethod
     def publish(self, bundle: Bundle, staging: Path) -> VersionInfo:
@@ -100,10 +105,6 @@ class RegistryClient(ABC):
     @abstractmethod
     def download(self, info: VersionInfo, dest: Path) -> None:
         """Write every file of the version under `dest` (an empty folder)."""
-
-    def card_name(self, name: str) -> str:
-        """The name `quantkit registry pull` takes for this model on this backend."""
-        return name
 
     # ---------------------------------------------------------------------------- shared behaviour
     def show(self, name: str, version_or_alias: str) -> VersionInfo:

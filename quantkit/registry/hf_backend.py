@@ -57,7 +57,7 @@ def git_blob_sha1(path: Path) -> str:
 
 class HfRegistry(RegistryClient):
     def __init__(self, uri: str, api=None, private: bool | None = None):
-        self.uri = uri
+        self.uri = self.explicit_uri = uri
         self.org, self.repo_name = parse_hf_uri(uri)
         if api is None:
             from huggingface_hub import HfApi
@@ -77,8 +77,8 @@ class HfRegistry(RegistryClient):
             raise RegistryError(f"registry {self.uri}: give a model name (--name) or use hf://{self.org}/NAME")
         return f"{self.org}/{name.split('/')[-1]}"
 
-    def card_name(self, name: str) -> str:
-        return self.repo_id(name)
+    def default_name(self) -> str | None:
+        return self.repo_name
 
     # ---------------------------------------------------------------------------------- refs
     def _tags(self, repo: str) -> dict[str, str]:
@@ -119,7 +119,7 @@ class HfRegistry(RegistryClient):
         atomic_write_json(meta, {"version": str(n), "name": repo, "tags": bundle.tags})
         files = list(bundle.files) + [(meta, VERSION_META)]
         expected = {rel: (p.stat().st_size, sha256_file(p), git_blob_sha1(p)) for p, rel in files}
-        old = set(self._tree(repo, "main")) if tags or self._has_main(repo) else set()
+        old = set(self._tree(repo, "main")) if self._has_main(repo) else set()
         ops = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)) for p, rel in files]
         ops += [CommitOperationDelete(path_in_repo=rel) for rel in sorted(old - set(expected) - KEEP)]
         info = self.api.create_commit(

@@ -22,9 +22,11 @@ Alias history for rollback is a registered-model tag `quantkit.alias_history.<al
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -112,9 +114,6 @@ class MlflowRegistry(RegistryClient):
         return VersionInfo(mv.name, str(mv.version), sorted(getattr(mv, "aliases", []) or []), dict(mv.tags or {}),
                            mv.source, created)
 
-    def card_name(self, name: str) -> str:
-        return name
-
     # ------------------------------------------------------------------------------------ publish
     def publish(self, bundle: Bundle, staging: Path) -> VersionInfo:
         run, version, created_model = None, None, False
@@ -139,7 +138,8 @@ class MlflowRegistry(RegistryClient):
             version = str(mv.version)
             if mv.status != "READY":
                 raise RegistryError(f"{self.uri}: version {version} of {bundle.name} is {mv.status}, not READY")
-            self.client.set_terminated(run_id, "FINISHED")
+            with contextlib.redirect_stdout(sys.stderr):  # mlflow prints "View run at <url>" to stdout
+                self.client.set_terminated(run_id, "FINISHED")
             return self._info(self.client.get_model_version(bundle.name, version))
         except BaseException as exc:
             self._undo(bundle.name, run, version, created_model, exc)
@@ -186,7 +186,18 @@ class MlflowRegistry(RegistryClient):
         if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise RegistryError(f"{name!r} is not a valid model name (letters, digits, '.', '_', '-')")
         mvs = self.client.search_model_versions(f"name='{name}'")
-        return sorted((self._info(mv) for mv in mvs), key=lambda v: int(v.version))
+        if not mvs:
+            return []
+        # search results do not carry aliases; the registered model does (alias -> version)
+        by_version: dict[str, list[str]] = {}
+        for alias, version in (getattr(self.client.get_registered_model(name), "aliases", {}) or {}).items():
+            by_version.setdefault(str(version), []).append(alias)
+        out = []
+        for mv in mvs:
+            info = self._info(mv)
+            info.aliases = sorted(by_version.get(info.version, []))
+            out.append(info)
+        return sorted(out, key=lambda v: int(v.version))
 
     def get_alias(self, name: str, alias: str) -> str | None:
         from mlflow.exceptions import MlflowException

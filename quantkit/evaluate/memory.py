@@ -1,0 +1,66 @@
+"""Memory figures of one served model: checkpoint, weights, KV-cache capacity, engine process peak.
+
+- checkpoint_bytes: the model folder's *.safetensors files on disk.
+- weight_bytes: what the engine reports ("Model loading took X GiB", GPU runners). vLLM's CPU runner
+  does not report it, so there it is computed from the checkpoint's tensor headers: every tensor's
+  element count x its element size, with floating-point tensors counted at the engine's compute
+  dtype (a bf16 checkpoint served in float32 holds twice its file size) and integer tensors as
+  stored. `weight_bytes_source` says which one a report holds.
+- kv_cache_tokens: the engine's own figure (log line, or `vllm:cache_config_info` in /metrics).
+- peak_rss_bytes / peak_pss_bytes: the engine's process tree, sampled (quantkit.engine.procmon).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+# safetensors dtype -> bytes per element
+_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+_FLOAT = {"F64", "F32", "F16", "BF16"}
+_TORCH_SIZES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))  # little-endian u64 header length
+        return json.loads(f.read(n))
+
+
+def tensor_bytes(model_dir: Path, compute_dtype: str | None = None) -> int:
+    """Sum over tensors of numel x element size; float tensors at `compute_dtype` when given."""
+    float_size = _TORCH_SIZES.get(compute_dtype or "")
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, meta in safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            size = float_size if (float_size and meta["dtype"] in _FLOAT) else _ST_SIZES.get(meta["dtype"], 1)
+            total += numel * size
+    return total
+
+
+def memory_figures(model_dir: Path | None, engine_info: dict, kv_from_metrics: int | None,
+                   proc: dict | None) -> dict:
+    out: dict = {"checkpoint_bytes": checkpoint_bytes(model_dir) if model_dir else None}
+    if engine_info.get("weight_bytes"):
+        out["weight_bytes"] = engine_info["weight_bytes"]
+        out["weight_bytes_source"] = "engine log"
+    elif model_dir is not None:
+        out["weight_bytes"] = tensor_bytes(model_dir, engine_info.get("dtype"))
+        out["weight_bytes_source"] = f"checkpoint tensors at engine dtype {engine_info.get('dtype', 'as stored')}"
+    else:
+        out["weight_bytes"] = None
+    out["kv_cache_tokens"] = engine_info.get("kv_cache_tokens") or kv_from_metrics
+    out["peak_rss_bytes"] = (proc or {}).get("peak_rss_bytes")
+    out["peak_pss_bytes"] = (proc or {}).get("peak_pss_bytes")
+    return out

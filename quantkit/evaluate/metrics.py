@@ -1,0 +1,116 @@
+"""The flat metrics table of a report: name -> {baseline, candidate, unit, higher_is_better}.
+
+This is the contract with `quantkit gate`: dotted names, floats or null. Divergence metrics give the
+baseline against itself (KL 0, agreement 1). Cost (with a price per hour) is taken at the load level
+with the highest output throughput of that model, and:
+- usd_per_mtok_output = price_per_hour / 3600 / output_tok_s * 1e6
+- usd_per_k_successful_tasks = 1000 * price_per_hour / 3600 / requests_s / task_success_rate,
+  i.e. the cost of serving one request at that level divided by the share of lm-eval items the
+  model got right (pooled over all task items): what a thousand *useful* answers cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+PCTS = (50, 90, 99)
+
+
+def _get(d: dict | None, *path, default=None) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def task_success_rate(tasks: dict | None) -> float | None:
+    rows = (tasks or {}).get("tasks") or {}
+    items = sum(r["items"] for r in rows.values())
+    return sum(r["successes"] for r in rows.values()) / items if items else None
+
+
+def peak_level(speed: dict | None) -> str | None:
+    levels = [(v.get("output_tok_s") or 0.0, k) for k, v in (speed or {}).items()]
+    return max(levels)[1] if levels and max(levels)[0] > 0 else None
+
+
+def cost_figures(side: dict | None, price_per_hour: float | None) -> dict:
+    if side is None or price_per_hour is None:
+        return {}
+    lvl = peak_level(side.get("speed"))
+    if lvl is None:
+        return {}
+    s = side["speed"][lvl]
+    per_s = price_per_hour / 3600.0
+    out = {"level": lvl, "usd_per_mtok_output": per_s / s["output_tok_s"] * 1e6 if s.get("output_tok_s") else None}
+    rate = task_success_rate(side.get("tasks"))
+    out["usd_per_k_successful_tasks"] = (1000 * per_s / s["requests_s"] / rate
+                                         if s.get("requests_s") and rate else None)
+    return out
+
+
+def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tuple[float | None, str, bool]]:
+    """One model's figures as {metric: (value, unit, higher_is_better)}."""
+    if side is None:
+        return {}
+    out: dict[str, tuple[float | None, str, bool]] = {}
+    q = side.get("quality") or {}
+    out["quality.perplexity"] = (q.get("perplexity"), "ppl", False)
+    out["quality.kl_mean"] = (_get(q, "divergence", "kl_mean"), "nats", False)
+    out["quality.kl_p99"] = (_get(q, "divergence", "kl_p99"), "nats", False)
+    out["quality.top1_agreement"] = (_get(q, "divergence", "top1_agreement"), "fraction", True)
+    rows = _get(side, "tasks", "tasks") or {}
+    for task, r in rows.items():
+        out[f"tasks.{task}.{r['metric']}"] = (r["value"], "fraction", True)
+        for extra, val in (r.get("extra") or {}).items():
+            out[f"tasks.{task}.{extra}"] = (val, "fraction", True)
+    out["tasks.mean_acc"] = (sum(r["value"] for r in rows.values()) / len(rows) if rows else None, "fraction", True)
+    out["tasks.success_rate"] = (task_success_rate(side.get("tasks")), "fraction", True)
+    for lvl, s in (side.get("speed") or {}).items():
+        for m in LAT:
+            for p in PCTS:
+                out[f"speed.{lvl}.{m}_p{p}"] = (s.get(f"{m}_p{p}"), "ms", False)
+        out[f"speed.{lvl}.output_tok_s"] = (s.get("output_tok_s"), "tok/s", True)
+        out[f"speed.{lvl}.requests_s"] = (s.get("requests_s"), "req/s", True)
+        out[f"speed.{lvl}.failed"] = (float(s.get("failed", 0)), "requests", False)
+        em = s.get("engine_metrics") or {}
+        out[f"speed.{lvl}.queue_ms_mean"] = (em.get("request_queue_time_mean_ms"), "ms", False)
+        out[f"speed.{lvl}.kv_cache_usage_max"] = (em.get("kv_cache_usage_perc_max"), "fraction", False)
+        out[f"speed.{lvl}.preemptions"] = (em.get("num_preemptions"), "count", False)
+    mem = side.get("memory") or {}
+    out["memory.checkpoint_bytes"] = (mem.get("checkpoint_bytes"), "bytes", False)
+    out["memory.weight_bytes"] = (mem.get("weight_bytes"), "bytes", False)
+    out["memory.kv_cache_tokens"] = (mem.get("kv_cache_tokens"), "tokens", True)
+    out["memory.peak_rss_bytes"] = (mem.get("peak_rss_bytes"), "bytes", False)
+    out["memory.peak_pss_bytes"] = (mem.get("peak_pss_bytes"), "bytes", False)
+    cost = cost_figures(side, price_per_hour)
+    if cost:
+        out["cost.usd_per_mtok_output"] = (cost.get("usd_per_mtok_output"), "USD/Mtok", False)
+        out["cost.usd_per_k_successful_tasks"] = (cost.get("usd_per_k_successful_tasks"), "USD/1k", False)
+    return out
+
+
+def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float | None) -> dict[str, dict]:
+    """Merge both sides into the flat contract table (a metric either side lacks is null there)."""
+    b = side_values(baseline, price_per_hour)
+    c = side_values(candidate, price_per_hour)
+    out = {}
+    for name in list(b) + [n for n in c if n not in b]:
+        bv, unit, hib = b.get(name, (None, None, None))
+        cv, cunit, chib = c.get(name, (None, None, None))
+        out[name] = {"baseline": _num(bv), "candidate": _num(cv), "unit": unit or cunit,
+                     "higher_is_better": bool(hib if hib is not None else chib)}
+    return out
+
+
+def _num(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def delta(b: float | None, c: float | None) -> tuple[float | None, float | None]:
+    """(candidate - baseline, relative change) with None where undefined."""
+    if b is None or c is None:
+        return None, None
+    return c - b, ((c - b) / b if b else None)

@@ -1,0 +1,224 @@
+"""`run_eval`: baseline and candidate through the same engine, the same prompts and the same load.
+
+Order (one engine in memory at a time): baseline engine -> quality, tasks, speed -> stop; candidate
+engine -> the same, plus divergence against the baseline's log-probabilities -> stop; then each
+serving variant (candidate only, speed only, one engine start each). Every phase writes its raw
+result to <output>/raw/<side>.json as it finishes, so an interrupted run keeps what it measured.
+
+Output folder: `--output`, else `<artifact>-eval` beside the artifact (the artifact folder itself is
+left untouched, so its manifest checksums stay valid). Inside: report.json, report.md, plots/*.png,
+logs/ (engine logs), raw/ (per-side figures and per-request records), tasks/ (lm-eval samples),
+cache/ (vLLM and inductor caches for this run).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from quantkit.engine import ENGINES, EngineError
+from quantkit.engine.client import ServerError, prompt_logprobs
+from quantkit.engine.prom import kv_capacity_tokens
+from quantkit.evaluate import quality as Q
+from quantkit.evaluate.memory import memory_figures
+from quantkit.evaluate.speed import build_workload, run_speed
+from quantkit.evaluate.suite import load_suite, resolve_file
+from quantkit.evaluate.tasks import TaskError, run_tasks
+from quantkit.recipe import EvalSpec
+
+
+def default_output(artifact: Path) -> Path:
+    artifact = Path(artifact)
+    return artifact.parent / f"{artifact.name}-eval"
+
+
+def hardware() -> dict:
+    import os
+
+    import psutil
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
+           "platform": platform.platform(), "gpu": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return out
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+class _Side:
+    """One model's measurements (baseline, candidate or a variant)."""
+
+    def __init__(self, role: str, model_dir: Path | None, url: str | None) -> None:
+        self.role, self.model_dir, self.url = role, model_dir, url
+        self.data: dict = {"role": role, "model_dir": str(model_dir) if model_dir else None, "url": url}
+        self.quality: Q.QualityRun | None = None
+
+
+def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | Path | None = None,
+             output: Path | None = None, *, candidate_url: str | None = None, baseline_url: str | None = None,
+             served_model: str | None = None, skip_baseline: bool = False, overwrite: bool = False,
+             progress: Callable[[str], None] = print) -> Path:
+    """Evaluate an artifact against its baseline; returns the report folder (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from quantkit.export.manifest import read_manifest
+    from quantkit.report import write_report
+
+    t_start = time.perf_counter()
+    manifest = read_manifest(artifact) if artifact is not None else None
+    spec: EvalSpec = load_suite(suite, manifest)
+    if baseline is None and manifest is not None and not skip_baseline and baseline_url is None:
+        baseline = Path(manifest["base_model"]["resolved_dir"])
+        if not (baseline / "config.json").is_file():
+            raise FileNotFoundError(f"the artifact's base model {baseline} is missing; pass --baseline MODEL_DIR")
+    if artifact is None and candidate_url is None:
+        raise ValueError("give an artifact folder, or --candidate-url for an already-running server")
+    name = manifest["name"] if manifest else "external"
+    output = Path(output) if output else (default_output(artifact) if artifact else Path("runs") / f"{name}-eval")
+    if output.exists() and any(output.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{output} already exists; pass --overwrite or choose --output")
+        shutil.rmtree(output)
+    output.mkdir(parents=True, exist_ok=True)
+    output = output.resolve()
+
+    tok_dir = Path(artifact or baseline) if (artifact or baseline) else None
+    if tok_dir is None:
+        raise ValueError("a local tokenizer is needed: pass the artifact folder or --baseline")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    ppl_files = [resolve_file(f) for f in spec.perplexity_files]
+    stream = [t for f in ppl_files for t in tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]]
+    w = spec.workload
+    items = build_workload(stream, w.num_requests, w.prompt_tokens, w.output_tokens, w.seed)
+    half = len(stream) // 2  # warm-up prompts from another part of the text than the measured ones
+    warmup = build_workload(stream[half:] + stream[:half], w.warmup_requests, w.prompt_tokens, w.output_tokens, w.seed + 7)
+
+    sides = []
+    if not skip_baseline and (baseline is not None or baseline_url):
+        sides.append(_Side("baseline", Path(baseline) if baseline else None, baseline_url))
+    sides.append(_Side("candidate", Path(artifact) if artifact else None, candidate_url))
+    base_quality = None
+    for side in sides:
+        progress(f"[{side.role}] starting engine for {side.url or side.model_dir}")
+        _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress)
+        if side.role == "baseline":
+            base_quality = side.quality
+        _write_json(output / "raw" / f"{side.role}.json", side.data)
+
+    variants = []
+    cand = sides[-1]
+    for v in spec.variants:
+        if cand.url:
+            progress(f"variant {v.name}: skipped (an external server's settings cannot be changed from here)")
+            continue
+        vs = _Side(f"variant-{v.name}", cand.model_dir, None)
+        progress(f"[variant {v.name}] engine args {v.engine_args}")
+        _measure(vs, spec, output, tokenizer, tok_dir, items, warmup, None, served_model, progress,
+                 extra_args=v.engine_args, speed_only=True)
+        vs.data["variant"] = {"name": v.name, "engine_args": v.engine_args}
+        _write_json(output / "raw" / f"{vs.role}.json", vs.data)
+        variants.append(vs.data)
+
+    context = {"artifact": {"path": str(Path(artifact).resolve()) if artifact else None, "name": name,
+                            "quantization": (manifest or {}).get("quantization"),
+                            "size_bytes": (manifest or {}).get("size_bytes")},
+               "baseline": {"path": str(Path(baseline).resolve()) if baseline else None, "url": baseline_url},
+               "suite": spec.model_dump(mode="json"), "hardware": hardware(), "wall_s": time.perf_counter() - t_start,
+               "workload_items": [{"prompt_tokens": len(i.prompt_ids), "output_tokens": i.output_tokens} for i in items]}
+    by_role = {s.role: s.data for s in sides}
+    write_report(output, context, by_role.get("baseline"), by_role["candidate"], variants)
+    progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
+    return output
+
+
+def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path, items, warmup,
+             base_quality, served_model, progress, extra_args: dict | None = None, speed_only: bool = False) -> None:
+    d = side.data
+    timings: dict = {}
+    if side.url:
+        engine = ENGINES["openai"](side.url, model=served_model, tokenizer_dir=tok_dir)
+    else:
+        engine = ENGINES["vllm"](model_dir=side.model_dir, run_dir=output, served_name=side.role,
+                                 tokenizer_dir=side.model_dir, engine_args={**spec.engine_args, **(extra_args or {})},
+                                 dtype=spec.dtype, max_model_len=spec.max_model_len, kv_cache_gib=spec.kv_cache_gib,
+                                 ready_timeout_s=spec.ready_timeout_s)
+    t0 = time.perf_counter()
+    with engine as ep:
+        timings["engine_start_s"] = time.perf_counter() - t0
+        d["engine"] = {"name": ep.engine, "version": ep.version, "model": ep.model, "info": ep.info,
+                       "log": str(ep.log_path) if ep.log_path else None}
+        progress(f"[{side.role}] engine ready in {timings['engine_start_s']:.0f} s ({ep.engine} {ep.version or ''})")
+        if not speed_only:
+            t = time.perf_counter()
+            d["quality"] = _quality(side, spec, ep, tokenizer, base_quality, progress)
+            timings["quality_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            progress(f"[{side.role}] lm-eval tasks {spec.tasks} (limit {spec.task_limit})")
+            try:
+                d["tasks"] = run_tasks(ep, spec.tasks, spec.task_limit, spec.task_concurrency, spec.max_model_len,
+                                       output / "tasks" / side.role)
+            except TaskError as exc:
+                d["tasks"] = {"error": str(exc)}
+                progress(f"[{side.role}] tasks failed: {exc}")
+            timings["tasks_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        w = spec.workload
+        d["speed"] = run_speed(ep, items, warmup, w.concurrency, w.request_rates, w.temperature, w.seed,
+                               progress=lambda m: progress(f"[{side.role}] {m}"))
+        timings["speed_s"] = time.perf_counter() - t
+        kv_metrics = None
+        try:
+            kv_metrics = kv_capacity_tokens(httpx.get(f"{ep.base_url}/metrics", timeout=10).text)
+        except httpx.HTTPError:
+            kv_metrics = None
+        proc = engine.monitor.snapshot() if hasattr(engine, "monitor") else None
+        d["memory"] = memory_figures(side.model_dir if not side.url else None, ep.info, kv_metrics, proc)
+    d["timings"] = timings
+    _write_json(output / "raw" / f"{side.role}.json", d)
+
+
+def _quality(side: _Side, spec: EvalSpec, ep, tokenizer, base_quality, progress) -> dict:
+    files = [resolve_file(f) for f in spec.perplexity_files]
+    progress(f"[{side.role}] perplexity on {', '.join(f.name for f in files)}")
+    try:
+        with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+            run = Q.score_texts(files, tokenizer, lambda ids: prompt_logprobs(client, ep.base_url, ep.model, ids,
+                                                                              spec.logprobs_top_k),
+                                spec.perplexity_window, spec.perplexity_max_tokens)
+    except (ServerError, httpx.HTTPError, RuntimeError) as exc:
+        progress(f"[{side.role}] perplexity unavailable: {exc}")
+        return {"error": str(exc)}
+    side.quality = run
+    out = {"perplexity": Q.perplexity(run.actual_logprobs()), "tokens": len(run.actual), "per_file": run.per_file,
+           "window": spec.perplexity_window, "top_k": spec.logprobs_top_k}
+    if side.role == "baseline":
+        out["divergence"] = Q.divergence(run, run, spec.logprobs_top_k)  # itself: KL 0, agreement 1
+    elif base_quality is not None:
+        out["divergence"] = Q.divergence(base_quality, run, spec.logprobs_top_k)
+    return out
+
+
+__all__ = ["run_eval", "default_output", "EngineError"]

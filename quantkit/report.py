@@ -1,0 +1,192 @@
+"""The eval report: report.json (schema quantkit.report/1), report.md and PNG plots.
+
+report.json top level: schema, created, artifact {path, name, quantization, size_bytes}, baseline
+{path, url}, engine {name, version, dtype, baseline/candidate engine facts}, hardware, workload,
+generation, suite, metrics (flat: name -> {baseline, candidate, unit, higher_is_better}; the contract
+with `quantkit gate`), recovery (candidate / baseline per task and mean), cost, where_the_wait_is,
+variants, details (per side, without per-request records: those stay in raw/), wall_s.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+from quantkit.evaluate.diagnose import where_the_wait_is
+from quantkit.evaluate.metrics import cost_figures, delta, metrics_table
+from quantkit.evaluate.plots import plot_latency, plot_quality, plot_throughput
+from quantkit.io import atomic_write_json, atomic_write_text
+
+SCHEMA = "quantkit.report/1"
+
+
+def _strip_records(side: dict | None) -> dict | None:
+    if side is None:
+        return None
+    out = json.loads(json.dumps(side, default=str))
+    for s in (out.get("speed") or {}).values():
+        s.pop("records", None)
+        (s.get("engine_metrics") or {}).pop("timeline", None)
+    return out
+
+
+def build_report(context: dict, baseline: dict | None, candidate: dict, variants: list[dict]) -> dict:
+    suite = context["suite"]
+    price = suite.get("price_per_hour")
+    metrics = metrics_table(baseline, candidate, price)
+    recovery = {}
+    for name, m in metrics.items():
+        if name.startswith("tasks.") and m["baseline"] and m["candidate"] is not None:
+            recovery[name] = m["candidate"] / m["baseline"]
+    eng_c = candidate.get("engine") or {}
+    work = suite["workload"]
+    items = context.get("workload_items") or []
+    kv_gib = suite.get("kv_cache_gib")
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "artifact": context["artifact"],
+        "baseline": context["baseline"],
+        "engine": {"name": eng_c.get("name"), "version": eng_c.get("version"),
+                   "dtype": (eng_c.get("info") or {}).get("dtype"),
+                   "dtype_reason": (eng_c.get("info") or {}).get("dtype_reason"),
+                   "engine_args": suite.get("engine_args"), "max_model_len": suite.get("max_model_len"),
+                   "kv_cache_gib": kv_gib,
+                   "baseline": (baseline or {}).get("engine"), "candidate": eng_c},
+        "hardware": context["hardware"],
+        "workload": {**work, "prompt_tokens_total": sum(i["prompt_tokens"] for i in items),
+                     "output_tokens_total": sum(i["output_tokens"] for i in items), "items": items},
+        "generation": {"speed": {"temperature": work["temperature"], "ignore_eos": True,
+                                 "output_tokens": work["output_tokens"], "stream": True},
+                       "perplexity": {"window_tokens": suite["perplexity_window"], "top_k": suite["logprobs_top_k"],
+                                      "max_tokens_per_file": suite["perplexity_max_tokens"],
+                                      "files": suite["perplexity_files"]},
+                       "tasks": {"names": suite["tasks"], "limit": suite["task_limit"],
+                                 "decoding": "as each task YAML says (greedy for generation tasks)"}},
+        "suite": suite,
+        "metrics": metrics,
+        "recovery": recovery,
+        "cost": {"price_per_hour": price, "baseline": cost_figures(baseline, price),
+                 "candidate": cost_figures(candidate, price)},
+        "where_the_wait_is": {role: where_the_wait_is(side, role, kv_gib)
+                              for role, side in (("baseline", baseline), ("candidate", candidate)) if side},
+        "variants": [_strip_records(v) for v in variants],
+        "details": {"baseline": _strip_records(baseline), "candidate": _strip_records(candidate)},
+        "wall_s": context.get("wall_s"),
+    }
+
+
+def write_report(output: Path, context: dict, baseline: dict | None, candidate: dict, variants: list[dict]) -> dict:
+    report = build_report(context, baseline, candidate, variants)
+    plots = output / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    sides = {"baseline": baseline, "candidate": candidate}
+    made = [p for p in (plot_latency(sides, plots / "latency.png"), plot_throughput(sides, plots / "throughput.png"),
+                        plot_quality(report["metrics"], plots / "quality.png")) if p is not None]
+    report["plots"] = [str(p.relative_to(output)) for p in made]
+    atomic_write_json(output / "report.json", report)
+    atomic_write_text(output / "report.md", render_markdown(report))
+    return report
+
+
+# ----------------------------------------------------------------------------------------- markdown
+def _v(x: float | None, unit: str) -> str:
+    if x is None:
+        return "—"
+    if unit == "bytes":
+        return f"{x / 2**20:,.1f} MiB"
+    if unit in ("fraction",):
+        return f"{x:.3f}"
+    if unit == "nats":
+        return f"{x:.4f}"
+    if unit in ("tokens", "requests", "count"):
+        return f"{x:,.0f}"
+    return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def _row(name: str, m: dict, label: str | None = None) -> str:
+    d, rel = delta(m["baseline"], m["candidate"])
+    ds = "—" if d is None else (f"{d / 2**20:+,.1f} MiB" if m["unit"] == "bytes" else f"{d:+,.4g}")
+    rs = "" if rel is None else f" ({rel:+.1%})"
+    arrow = "↑" if m["higher_is_better"] else "↓"
+    return f"| {label or name} {arrow} | {_v(m['baseline'], m['unit'])} | {_v(m['candidate'], m['unit'])} | {ds}{rs} |"
+
+
+def _table(metrics: dict, names: list[str], labels: dict | None = None) -> list[str]:
+    rows = [_row(n, metrics[n], (labels or {}).get(n)) for n in names if n in metrics]
+    if not rows:
+        return ["(not measured)", ""]
+    return ["| metric | baseline | candidate | Δ (candidate − baseline) |", "|---|---:|---:|---:|", *rows, ""]
+
+
+def render_markdown(r: dict) -> str:
+    m = r["metrics"]
+    a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
+    stages = ", ".join(f"{s['method']}/{s['scheme']}" for s in ((a.get("quantization") or {}).get("stages") or []))
+    L = [f"# quantkit eval: {a.get('name')}", "",
+         f"- candidate: `{a.get('path')}` ({stages or 'scheme n/a'}, format {(a.get('quantization') or {}).get('format', 'n/a')})",
+         f"- baseline: `{(r['baseline'] or {}).get('path') or (r['baseline'] or {}).get('url')}`",
+         f"- engine: {eng.get('name')} {eng.get('version') or ''}, dtype {eng.get('dtype')} ({eng.get('dtype_reason') or ''}), "
+         f"max_model_len {eng.get('max_model_len')}, KV cache {eng.get('kv_cache_gib')} GiB, extra args {eng.get('engine_args') or {}}",
+         f"- hardware: {hw.get('cpu')}, {hw.get('cpu_count')} cores, {hw.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU {hw.get('gpu') or 'none'}",
+         f"- suite `{r['suite']['suite']}`; eval wall time {r.get('wall_s') or 0:.0f} s; report schema {r['schema']}", "",
+         "↑ higher is better, ↓ lower is better. Δ% is relative to the baseline.", "", "## Quality", ""]
+    L += _table(m, ["quality.perplexity", "quality.top1_agreement", "quality.kl_mean", "quality.kl_p99"])
+    L.append("KL is KL(baseline ‖ candidate) per token on the baseline's top-k log-probabilities plus one "
+             "\"rest\" bucket (a lower bound of the full KL; see quantkit/evaluate/quality.py).")
+    L.append("")
+    task_names = sorted(n for n in m if n.startswith("tasks."))
+    if task_names:
+        L += ["### Tasks (lm-eval)", "", "| task metric | baseline | candidate | Δ | recovery |", "|---|---:|---:|---:|---:|"]
+        for n in task_names:
+            d, _ = delta(m[n]["baseline"], m[n]["candidate"])
+            rec = r["recovery"].get(n)
+            L.append(f"| {n[6:]} | {_v(m[n]['baseline'], 'fraction')} | {_v(m[n]['candidate'], 'fraction')} | "
+                     f"{'—' if d is None else f'{d:+.3f}'} | {'—' if rec is None else f'{rec:.1%}'} |")
+        L.append("")
+    L += ["## Memory", ""]
+    L += _table(m, ["memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens", "memory.peak_rss_bytes",
+                    "memory.peak_pss_bytes"])
+    src = ((r["details"].get("candidate") or {}).get("memory") or {}).get("weight_bytes_source")
+    if src:
+        L += [f"Weight memory source: {src}. Peak RSS sums the engine's processes (shared pages counted in each); "
+              "PSS splits shared pages.", ""]
+    levels = sorted({n.split(".")[1] for n in m if n.startswith("speed.")},
+                    key=lambda s: (s[0] != "c", float(s[1:])))
+    L += ["## Speed", "",
+          f"Workload: {w['num_requests']} requests per level, prompt {w['prompt_tokens'][0]}–{w['prompt_tokens'][1]} tokens, "
+          f"output {w['output_tokens'][0]}–{w['output_tokens'][1]} tokens (forced, ignore_eos), temperature {w['temperature']}, "
+          f"seed {w['seed']}, {w['warmup_requests']} warm-up requests per level excluded, prefix cache emptied per level.", ""]
+    for lvl in levels:
+        kind = f"concurrency {lvl[1:]}" if lvl[0] == "c" else f"{lvl[1:]} requests/s (Poisson)"
+        L += [f"### {lvl}: {kind}", ""]
+        names = [f"speed.{lvl}.{x}" for x in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90",
+                                               "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99",
+                                               "output_tok_s", "requests_s", "failed", "queue_ms_mean",
+                                               "kv_cache_usage_max", "preemptions")]
+        L += _table(m, names, {n: n.split(".", 2)[2] for n in names})
+    if r["cost"].get("price_per_hour") is not None:
+        L += ["## Cost", "", f"At ${r['cost']['price_per_hour']}/hour, at each model's highest-throughput level "
+              f"(baseline {r['cost']['baseline'].get('level')}, candidate {r['cost']['candidate'].get('level')}).", ""]
+        L += _table(m, ["cost.usd_per_mtok_output", "cost.usd_per_k_successful_tasks"])
+    L += ["## Where the wait is", ""]
+    for role, lines in r["where_the_wait_is"].items():
+        L.append(f"**{role}**")
+        L.append("")
+        L += [f"- {x}" for x in lines]
+        L.append("")
+    if r["variants"]:
+        L += ["## Serving variants (candidate, one setting changed)", "",
+              "| variant | engine args | level | TTFT p50 ms | TPOT p50 ms | output tok/s | failed |", "|---|---|---|---:|---:|---:|---:|"]
+        for v in r["variants"]:
+            for lvl, s in (v.get("speed") or {}).items():
+                L.append(f"| {v['variant']['name']} | `{v['variant']['engine_args']}` | {lvl} | {_v(s.get('ttft_ms_p50'), 'ms')} | "
+                         f"{_v(s.get('tpot_ms_p50'), 'ms')} | {_v(s.get('output_tok_s'), 'tok/s')} | {s.get('failed')} |")
+        L.append("")
+    if r.get("plots"):
+        L += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in r["plots"]] + [""]
+    L += ["## Repeatability", "", "Rerun with the same artifact, suite and engine version; the seeded workload, prompts "
+          "(token ids), output lengths and task files are identical by construction. All settings are in report.json "
+          "(`suite`, `workload`, `generation`, `engine`, `hardware`); engine logs are in logs/, per-request timings in raw/.", ""]
+    return "\n".join(L)

@@ -1,0 +1,229 @@
+"""The convert path on tiny random models: export -> reload through transformers equals quantkit's own
+quantized model, every architecture spec, inspect catches tampering, atomic output, kill -9 resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import REPO, make_tiny_model, tiny_recipe, write_recipe
+from quantkit import api
+from quantkit.cli import app
+from quantkit.fakequant import fake_quant_model
+from quantkit.pipeline import ConvertError
+from quantkit.recipe import parse_recipe
+
+
+def _convert(model_dir, calib, stages, out, **kw):
+    r = parse_recipe(tiny_recipe(model_dir, calib, stages))
+    cap: dict = {}
+    api.convert(r, out, quiet=True, capture=cap, **kw)
+    return r, cap
+
+
+def _logits(model, seed=0):
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _reload(out):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    _logits(m)  # compressed-tensors decompresses the weights on the first forward
+    return m
+
+
+# Weight-only exports reload bit-exactly (same codes, same bf16 scales). For W8A8, transformers'
+# compressed-tensors path quantizes activations with its own rounding (absmax / 127.5) while quantkit
+# follows the engine (absmax / 127), so logits agree within a few percent of their range, not exactly.
+@pytest.mark.parametrize("stages, calibrated, rel_tol", [
+    ([{"method": "rtn", "scheme": "W4A16", "group_size": 16}], False, 1e-5),
+    ([{"method": "rtn", "scheme": "W4A16_ASYM", "group_size": 32}], False, 1e-5),
+    ([{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "group"}], True, 1e-5),
+    ([{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "static"}], True, 1e-5),
+    ([{"method": "rtn", "scheme": "W8A8"}], False, 0.1),
+    ([{"method": "gptq", "scheme": "W8A8"}], True, 0.1),
+])
+def test_export_reloads_like_fake_quant(tiny_llama, calib_text, tmp_path, stages, calibrated, rel_tol):
+    out = tmp_path / "out"
+    r, cap = _convert(tiny_llama, calib_text if calibrated else None, stages, out)
+    ref = fake_quant_model(tiny_llama, r, cap)
+    got = _reload(out)
+    for name, w in cap.items():  # bit-exact weights after the checkpoint round trip (bf16 storage)
+        assert torch.equal(got.get_submodule(name).weight.to(torch.bfloat16), w.to(torch.bfloat16)), name
+    a, b = _logits(ref), _logits(got)
+    assert (a - b).abs().max() <= rel_tol * a.abs().max()
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["ignore"] == ["lm_head"]
+    assert cfg["format"] == ("int-quantized" if "W8A8" in stages[0]["scheme"] else "pack-quantized")
+    assert cfg["config_groups"]["group_0"]["weights"]["actorder"] == stages[0].get("actorder") \
+        if stages[0].get("actorder") == "group" else True
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_architecture_specs(tmp_path, calib_text, model_type):
+    model_dir = make_tiny_model(tmp_path / model_type, model_type)
+    out = tmp_path / "out"
+    r, cap = _convert(model_dir, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}], out)
+    assert len(cap) == 2 * 7  # every decoder Linear of both layers
+    ref, got = fake_quant_model(model_dir, r, cap), _reload(out)
+    a, b = _logits(ref), _logits(got)
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    man = json.loads((out / "manifest.json").read_text())
+    assert all("gptq_loss" in s and "output_sqnr_db" in s for s in man["layers"].values())
+
+
+def test_manifest_and_inspect(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["schema"] == "quantkit.manifest/1"
+    assert set(man["files"]) >= {"model.safetensors", "config.json", "tokenizer.json", "convert.log"}
+    assert len(man["recipe_sha256"]) == 64 and man["base_model"]["fingerprint"]
+    assert man["conversion"]["peak_rss_bytes"] > 0 and man["conversion"]["wall_time_s"] > 0
+    assert man["versions"]["compressed-tensors"] and man["versions"]["torch"]
+    assert all(v["weight_sqnr_db"] > 25 for v in man["layers"].values())
+    runner = CliRunner()
+    ok = runner.invoke(app, ["inspect", str(out)])
+    assert ok.exit_code == 0, ok.output
+    assert "checksums: ok" in ok.output
+    # flip one byte in the middle of the weights
+    f = out / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    bad = runner.invoke(app, ["inspect", str(out)])
+    assert bad.exit_code == 1
+    assert "model.safetensors: sha256 does not match the manifest" in bad.output
+
+
+def test_crash_mid_export_leaves_no_final_folder(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def boom(*a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(api, "write_config", boom)
+    with pytest.raises(OSError, match="simulated"):
+        _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)
+    assert not out.exists()
+    assert api.partial_dir(out).is_dir()  # the resume point stays, under another name
+    monkeypatch.undo()
+    _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)  # picks up and finishes
+    assert (out / "manifest.json").is_file() and not api.partial_dir(out).exists()
+
+
+def test_existing_output_is_not_clobbered(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_group_size_error_names_the_layer(tmp_path, calib_text):
+    model_dir = make_tiny_model(tmp_path / "m", "llama", hidden=48)  # 48 % 32 != 0
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: in_features 48 is not divisible by "
+                                         r"group_size 32; use group_size 16"):
+        _convert(model_dir, None, [{"method": "rtn", "scheme": "W4A16", "group_size": 32}], tmp_path / "o")
+
+
+def test_lm_head_is_refused_when_targeted(tiny_llama, tmp_path):
+    with pytest.raises(ConvertError, match="quantizing lm_head is not supported"):
+        _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8", "ignore": []}], tmp_path / "o")
+
+
+def test_mixed_precision_stages(tiny_llama, calib_text, tmp_path):
+    stages = [{"method": "gptq", "scheme": "W8A8", "targets": ["re:.*mlp\\.down_proj$"]},
+              {"method": "gptq", "scheme": "W4A16", "group_size": 16}]
+    out = tmp_path / "out"
+    r, cap = _convert(tiny_llama, calib_text, stages, out)
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "mixed-precision" and set(cfg["config_groups"]) == {"group_0", "group_1"}
+    assert cfg["config_groups"]["group_0"]["targets"] == ["re:^model\\.layers\\.(?:0|1)\\.mlp\\.down_proj$"]
+    got = _reload(out)
+    for name, w in cap.items():
+        assert torch.equal(got.get_submodule(name).weight.to(torch.bfloat16), w.to(torch.bfloat16)), name
+
+
+# ------------------------------------------------------------------------------------------ resume
+KILLER = r"""
+import os, signal, sys
+from quantkit import pipeline
+from quantkit.cli import app
+mode, at = sys.argv[1], int(sys.argv[2])
+orig_save, orig_write = pipeline.WorkDir.save_layer, pipeline.atomic_write_json
+def save_layer(self, index, results, hidden):
+    if mode == "during" and index == at:
+        # kill -9 after the layer and next-input files are written, before state.json says so
+        def write(path, data):
+            if str(path).endswith("state.json"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return orig_write(path, data)
+        pipeline.atomic_write_json = write
+    orig_save(self, index, results, hidden)
+    if mode == "after" and index == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+pipeline.WorkDir.save_layer = save_layer
+sys.argv = ["quantkit", *sys.argv[3:]]
+app()
+"""
+
+
+def _run_convert(args, killer=None, env=None):
+    cmd = [sys.executable, "-c", KILLER, *killer, *args] if killer else \
+        [sys.executable, "-m", "quantkit.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("mode", ["after", "during"])
+def test_kill_9_resume_is_byte_identical(tmp_path, calib_text, mode):
+    model_dir = make_tiny_model(tmp_path / "m", "llama", layers=4)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(
+        model_dir, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    done = _run_convert([ "convert", str(recipe), "-o", str(ref), "-q"], env=env)
+    assert done.returncode == 0, done.stderr
+    killed = _run_convert(["convert", str(recipe), "-o", str(out), "-q"], killer=[mode, "2"], env=env)
+    assert killed.returncode == -9
+    assert not out.exists()
+    state = json.loads((api.partial_dir(out) / "work" / "state.json").read_text())
+    assert state["next_layer"] == (3 if mode == "after" else 2)
+    resumed = _run_convert(["convert", str(recipe), "-o", str(out)], env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after layer" in (out / "convert.log").read_text()
+    for f in ("model.safetensors", "config.json"):
+        assert (ref / f).read_bytes() == (out / f).read_bytes(), f
+    man_ref = json.loads((ref / "manifest.json").read_text())
+    man_out = json.loads((out / "manifest.json").read_text())
+    assert man_ref["layers"] == {k: {**v, "seconds": man_ref["layers"][k]["seconds"]}
+                                 for k, v in man_out["layers"].items()}
+
+
+def test_changed_recipe_is_refused_then_restarted(tmp_path, calib_text, tiny_llama):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(
+        tiny_llama, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}]))
+    out = tmp_path / "out"
+    killed = _run_convert(["convert", str(recipe), "-o", str(out), "-q"], killer=["after", "0"])
+    assert killed.returncode == -9
+    changed = _run_convert(["convert", str(recipe), "-o", str(out), "-q", "--set", "stages[0].group_size=32"])
+    assert changed.returncode == 2
+    assert "an unfinished conversion with a different recipe is here; run again with --restart" in changed.stderr
+    restarted = _run_convert(["convert", str(recipe), "-o", str(out), "-q", "--set", "stages[0].group_size=32",
+                              "--restart"])
+    assert restarted.returncode == 0, restarted.stderr
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    shutil.rmtree(out)
