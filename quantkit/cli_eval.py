@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         artifact: Annotated[Optional[Path], typer.Argument(help="Artifact folder (with manifest.json).")] = None,
         baseline: Annotated[Optional[Path], typer.Option("--baseline", help="Baseline model folder (default: the artifact's base model).")] = None,
         suite: Annotated[Optional[str], typer.Option("--suite", help="Suite name in evals/suites (default, smoke, serving) or a YAML file; default: the recipe's eval section.")] = None,
-        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Report folder (default: <artifact>-eval beside the artifact).")] = None,
+        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Report folder (default: <artifact>/eval).")] = None,
         candidate_url: Annotated[Optional[str], typer.Option("--candidate-url", help="Measure an already-running OpenAI-compatible server as the candidate (engine type `openai`).")] = None,
         baseline_url: Annotated[Optional[str], typer.Option("--baseline-url", help="Measure an already-running server as the baseline.")] = None,
         served_model: Annotated[Optional[str], typer.Option("--served-model", help="Model name on the external server (default: its first).")] = None,

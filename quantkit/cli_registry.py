@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -37,7 +38,8 @@ def _fail(msg: str, code: int = 2) -> None:
 
 def _quiet_mlflow() -> None:
     # mlflow logs every wait and migration at INFO, and sets its logger up when first imported (so import it
-    # first); the CLI prints its own one-line results.
+    # first); the CLI prints its own one-line results. A user's own setting of the progress bar wins.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow  # noqa: F401
 
     for name in ("mlflow", "alembic"):

@@ -35,7 +35,7 @@ DEMO_MODELS = {
 
 
 def demo_dir(name: str) -> Path:
-    from quantkit.models import quantkit_home
+    from quantkit.io import quantkit_home
 
     return quantkit_home() / "models" / name
 

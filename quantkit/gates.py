@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from quantkit.io import atomic_write_json, atomic_write_text, sha256_file
 from quantkit.recipe import GateSpec
 
@@ -224,7 +226,11 @@ def select_gates(report_path: Path, report: dict) -> tuple[list[GateSpec], str]:
                         "and the report's parent folders); pass gates explicitly or keep the report in <artifact>/eval/")
     recipe_gates = (man.get("recipe") or {}).get("gates") or []
     if recipe_gates:
-        return [GateSpec.model_validate(g) for g in recipe_gates], "recipe"
+        try:
+            return [GateSpec.model_validate(g) for g in recipe_gates], "recipe"
+        except ValidationError as exc:
+            raise GateError(f"{report_path}: the artifact's manifest has invalid recipe.gates ({exc.errors()[0]['msg']}); "
+                            "pass gates explicitly or re-convert with a fixed recipe") from None
     stages = (man.get("quantization") or {}).get("stages") or [{}]
     scheme = stages[-1].get("scheme")
     return list(default_gates(scheme)), f"defaults for {scheme or 'an unknown scheme'}"

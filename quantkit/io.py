@@ -12,6 +12,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def quantkit_home() -> Path:
+    """Where quantkit keeps demo models, the embedded registry and caches (QUANTKIT_HOME)."""
+    return Path(os.environ.get("QUANTKIT_HOME", Path.home() / ".cache" / "quantkit"))
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -19,15 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantkit.io import quantkit_home  # noqa: F401  (re-exported: models live under it)
 from quantkit.recipe import ModelSpec
 
 
 class ModelError(RuntimeError):
     """A model problem, phrased for the user: what was tried and what to do."""
-
-
-def quantkit_home() -> Path:
-    return Path(os.environ.get("QUANTKIT_HOME", Path.home() / ".cache" / "quantkit"))
 
 
 # ------------------------------------------------------------------------------ architecture specs

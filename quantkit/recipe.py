@@ -124,9 +124,9 @@ class ExportSpec(_Strict):
 class WorkloadSpec(_Strict):
     """The seeded serving workload, identical for baseline and candidate (lengths in tokens)."""
 
-    num_requests: int = Field(24, ge=1, description="measured requests per load level")
+    num_requests: int = Field(16, ge=1, description="measured requests per load level")
     prompt_tokens: tuple[int, int] = Field((64, 256), description="uniform [min, max] prompt length")
-    output_tokens: tuple[int, int] = Field((32, 96), description="uniform [min, max] output length (ignore_eos)")
+    output_tokens: tuple[int, int] = Field((16, 64), description="uniform [min, max] output length (ignore_eos)")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4], description="closed-loop levels -> speed.c<N>")
     request_rates: list[float] = Field(default_factory=list, description="open-loop Poisson req/s -> speed.r<R>")
     warmup_requests: int = Field(2, ge=0, description="sent before each level, not measured")
@@ -162,7 +162,7 @@ class EvalSpec(_Strict):
     perplexity_files: list[str] = Field(default_factory=lambda: ["calibration/heldout/technical.txt",
                                                                  "calibration/heldout/general.txt"])
     perplexity_window: int = Field(512, ge=16, description="tokens per scored window")
-    perplexity_max_tokens: int | None = Field(8192, ge=16, description="per file; None = all")
+    perplexity_max_tokens: int | None = Field(4096, ge=16, description="per file; None = all")
     logprobs_top_k: int = Field(20, ge=1, le=20, description="top-k for KL/agreement (vLLM max_logprobs=20)")
     tasks: list[str] = Field(default_factory=lambda: ["qk_suite"])
     task_limit: int | None = Field(None, ge=1, description="items per task; None = all")
@@ -173,7 +173,7 @@ class EvalSpec(_Strict):
         "auto", description="engine compute dtype for both models; auto = the checkpoint's, but float32 on a CPU "
                             "without native bf16 (no avx512_bf16/AMX), where bf16 matmuls are several times slower")
     max_model_len: int = Field(2048, ge=64)
-    kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on the CPU")
+    kv_cache_gib: int = Field(1, ge=1, description="KV-cache GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB) on the CPU")
     ready_timeout_s: float = Field(600.0, gt=0, description="engine start limit")
     variants: list[VariantSpec] = Field(default_factory=list)
     price_per_hour: float | None = Field(None, ge=0, description="USD per hour of the serving machine")
@@ -183,9 +183,9 @@ class EvalSpec(_Strict):
 # A name that fits a family but is absent from a report still fails at gate time, saying which names exist.
 METRIC_PATTERNS = (
     r"quality\.[a-z0-9_]+",                        # quality.perplexity, quality.kl_mean, quality.top1_agreement
-    r"tasks\.mean_acc",
+    r"tasks\.[a-z0-9_]+",                           # tasks.mean_acc, tasks.success_rate
     r"tasks\.[A-Za-z0-9_.-]+\.[a-z0-9_]+",        # tasks.<task>.acc
-    r"speed\.c[0-9]+\.[a-z0-9_]+",                # speed.c4.tpot_ms_p90, speed.c1.output_tok_s
+    r"speed\.(c[0-9]+|r[0-9]+(\.[0-9]+)?)\.[a-z0-9_]+",  # speed.c4.tpot_ms_p90 (concurrency), speed.r2.* (rate)
     r"memory\.[a-z0-9_]+",                          # memory.weight_bytes, memory.kv_cache_tokens
     r"cost\.[a-z0-9_]+",                            # cost.usd_per_mtok_output
 )
@@ -205,7 +205,7 @@ class GateSpec(_Strict):
     def _known_metric(cls, v: str) -> str:
         if not any(re.fullmatch(p, v) for p in METRIC_PATTERNS):
             raise ValueError(f"{v!r} is not a metric name report.json uses (families: quality.<name>, "
-                             "tasks.<task>.acc, tasks.mean_acc, speed.c<N>.<name>, memory.<name>, cost.<name>)")
+                             "tasks.<task>.acc, tasks.mean_acc, speed.c<N>.<name>, speed.r<rate>.<name>, memory.<name>, cost.<name>)")
         return v
 
 

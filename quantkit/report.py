@@ -147,7 +147,7 @@ def render_markdown(r: dict) -> str:
         L.append("")
     L += ["## Memory", ""]
     L += _table(m, ["memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens", "memory.peak_rss_bytes",
-                    "memory.peak_pss_bytes"])
+                    "memory.peak_pss_bytes", "memory.peak_gpu_bytes", "memory.gpu_util_mean"])
     src = ((r["details"].get("candidate") or {}).get("memory") or {}).get("weight_bytes_source")
     if src:
         L += [f"Weight memory source: {src}. Peak RSS sums the engine's processes (shared pages counted in each); "

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 Strategy = Literal["channel", "group", "tensor"]
 
@@ -60,7 +59,10 @@ class Scheme:
             w = replace(w, symmetric=symmetric)
         return replace(self, weights=w)
 
-    def to_compressed_tensors(self, targets: list[str], actorder: str | None = None) -> QuantizationScheme:
+    def to_compressed_tensors(self, targets: list[str], actorder: str | None = None):
+        """The compressed-tensors QuantizationScheme (imported here: recipe validation stays light)."""
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
         w = self.weights
         weight_args = QuantizationArgs(
             num_bits=w.num_bits,

@@ -256,3 +256,78 @@ def test_metrics_contract_and_report_rendering(tmp_path):
     assert "| qk_cloze.acc | 0.800 | 0.700 | -0.100 | 87.5% |" in md
     for png in ("latency.png", "throughput.png", "quality.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
+
+
+# ------------------------------------------------- openai engine + streaming client on a fake server
+class _FakeOpenAI:
+    """A loopback OpenAI-compatible server: /v1/models, streamed /v1/completions, /metrics."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        outer = self
+        self.requests = 0
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, body, ctype="application/json"):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, json.dumps({"data": [{"id": "fake"}]}).encode())
+                elif self.path == "/metrics":
+                    self._send(200, f"vllm:num_requests_running {outer.requests % 2}\n".encode(), "text/plain")
+                else:
+                    self._send(404, b"{}")
+
+            def do_POST(self):
+                if self.path != "/v1/completions":
+                    return self._send(404, b"{}")
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests += 1
+                n = body["max_tokens"]
+                chunks = [{"choices": [{"text": f" t{i}"}]} for i in range(n)]
+                chunks.append({"choices": [], "usage": {"completion_tokens": n}})
+                data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+                self._send(200, data, "text/event-stream")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_openai_engine_and_speed_client_on_fake_server():
+    from quantkit.engine import ENGINES, EngineError
+    from quantkit.evaluate.speed import run_speed
+
+    fake = _FakeOpenAI()
+    try:
+        with ENGINES["openai"](fake.url + "/v1") as ep:
+            assert ep.model == "fake" and ep.engine == "openai" and ep.base_url == fake.url
+            items = build_workload(list(range(100)), 5, (4, 8), (2, 5), seed=1)
+            out = run_speed(ep, items, items[:1], [1, 2], [50.0], 0.0, 1)
+        assert set(out) == {"c1", "c2", "r50"}
+        for lvl in out.values():
+            assert lvl["failed"] == 0 and lvl["requests"] == 5
+            assert lvl["output_tokens"] == sum(i.output_tokens for i in items)
+            assert lvl["prefix_cache_reset"] is False  # not a vLLM dev-mode server
+            assert lvl["engine_metrics"]["samples"] >= 2
+        assert fake.requests == 3 * 6  # 5 measured + 1 warm-up per level
+        with pytest.raises(EngineError, match="serves"):
+            with ENGINES["openai"](fake.url, model="other"):
+                pass
+    finally:
+        fake.close()

@@ -181,6 +181,12 @@ def _failing_client(uri: str, fail_on: str, exc: BaseException):
                 raise exc
             return super().log_artifact(run_id, local_path, artifact_path)
 
+        def create_model_version(self, *args, **kwargs):
+            mv = super().create_model_version(*args, **kwargs)
+            if fail_on == "version_response":  # the server made it, but the reply was lost
+                raise exc
+            return mv
+
         def set_terminated(self, run_id, status=None, end_time=None):
             if fail_on == "after_version":
                 raise exc
@@ -216,6 +222,15 @@ def test_interrupted_publish_leaves_nothing_registered(mlflow_server, tmp_path):
     deleted = plain.search_runs([exp.experiment_id], f"tags.`quantkit.registered_model` = '{name}'",
                                 run_view_type=3)  # ViewType.ALL
     assert sum(r.info.lifecycle_stage == "deleted" for r in deleted) == 2
+
+    # 3. the version was created but its reply never arrived: found by run id and removed
+    reg = MlflowRegistry(uri, client=_failing_client(uri, "version_response", TimeoutError("read timed out")))
+    with pytest.raises(TimeoutError):
+        registry.publish(gated_artifact(tmp_path / "c", seed=8), name=name, client=reg)
+    assert [v.version for v in registry.list_versions(name, uri)] == [v1.version]
+    deleted = plain.search_runs([exp.experiment_id], f"tags.`quantkit.registered_model` = '{name}'",
+                                run_view_type=3)
+    assert sum(r.info.lifecycle_stage == "deleted" for r in deleted) == 3
     for r in deleted:
         if r.info.lifecycle_stage == "deleted":
             assert not list(mlflow_server.artifacts.rglob(f"{r.info.run_id}/artifacts/model.safetensors"))
@@ -236,3 +251,22 @@ def test_embedded_registry_is_the_default(tmp_path, monkeypatch):
     assert registry.promote("tiny-embedded", "1").aliases == ["production"]
     dest = registry.pull("tiny-embedded", "production", tmp_path / "pulled")
     assert verify(dest) == [] and (dest / "README.md").is_file()
+
+
+def test_rollback_follows_the_alias_history_not_the_version_numbers():
+    from quantkit.registry.base import resolve_previous
+
+    assert resolve_previous(["1", "3"], "3", ["1", "2", "3"]) == ("1", ["1"])  # promote 1, promote 3 -> 1
+    assert resolve_previous([], "3", ["1", "2", "3"]) == ("2", ["2"])  # no history: the version below
+    assert resolve_previous(["1", "2", "3"], "3", ["1", "3"]) == ("1", ["1"])  # a deleted version is skipped
+    with pytest.raises(RegistryError, match="nothing to roll back to"):
+        resolve_previous(["1"], "1", ["1", "2"])
+
+
+def test_report_of_another_artifact_is_refused(tmp_path):
+    from quantkit.registry.base import prepare_bundle
+
+    art = make_artifact(tmp_path / "a", name="tiny-a")
+    run_gates(make_report(art, name="tiny-b"), gates=PPL_GATE)
+    with pytest.raises(RegistryError, match="report of 'tiny-b', not of 'tiny-a'"):
+        prepare_bundle(art, "tiny-a", tmp_path)

@@ -52,7 +52,8 @@ _KNOWN = [
     (re.compile(r"(?i)(no (?:compatible|suitable) kernel|kernel.*not support|does not support.*(?:weight|w8a16|"
                 r"int8 weight)|Unsupported.*(?:quant|scheme)|Failed to find a kernel)"),
      "vLLM has no kernel for this quantization scheme on this device (on the CPU the weight-only kernel "
-     "takes 4-bit weights only: W8A16 does not load; use W4A16 or W8A8)."),
+     "takes 4-bit weights only (uint4/uint4b8, even group size, in/out features multiples of 32): W8A16 does "
+     "not load; use W4A16 or W8A8 there)."),
     (re.compile(r"(?i)(out of memory|OutOfMemoryError|Cannot allocate memory|insufficient memory)"),
      "the engine ran out of memory: lower eval.kv_cache_gib / eval.max_model_len, or stop other processes."),
     (re.compile(r"(?i)(address already in use)"), "the port was taken; rerun (a new free port is chosen)."),
@@ -68,7 +69,8 @@ _KNOWN = [
 def explain_failure(log: str) -> str:
     """One line: the likely cause of a failed engine start and the last error line of the log."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"(Error|ERROR|Exception|Traceback)", ln)]
+    errors = [ln for ln in lines if re.search(r"(Error|ERROR|Exception|Traceback|Value error)", ln)
+              and not ln.startswith("For further information")]
     last = errors[-1] if errors else (lines[-1] if lines else "(empty log)")
     for pat, why in _KNOWN:
         if pat.search(log):

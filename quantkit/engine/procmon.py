@@ -4,14 +4,33 @@ A background thread walks the tree every `interval_s` and records the peak of th
 summed PSS (proportional set size: shared pages split between the processes that map them, so the
 sum does not double-count what the API server and the workers share). RSS sums are an upper bound;
 PSS sums are the better "how much RAM does this engine take" figure. Sampling can miss a peak that
-lasts less than one interval.
+lasts less than one interval. On a machine with `nvidia-smi`, the same thread also samples GPU
+utilization (%) and used GPU memory (whole device: other tenants count too).
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 
 import psutil
+
+
+def gpu_sample() -> tuple[float, int] | None:
+    """(max utilization %, summed used bytes) over the visible GPUs, or None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+        rows = [[float(x) for x in ln.split(",")] for ln in out.strip().splitlines() if ln.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    if not rows:
+        return None
+    return max(r[0] for r in rows), int(sum(r[1] for r in rows) * 2**20)  # MiB -> bytes
 
 
 def tree_memory(pid: int) -> tuple[int, int, int]:
@@ -44,6 +63,9 @@ class ProcessTreeMonitor:
         self.peak_rss = 0
         self.peak_pss = 0
         self.max_procs = 0
+        self.gpu_util: list[float] = []
+        self.peak_gpu_bytes = 0
+        self._has_gpu = shutil.which("nvidia-smi") is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
@@ -61,6 +83,11 @@ class ProcessTreeMonitor:
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_pss = max(self.peak_pss, pss)
         self.max_procs = max(self.max_procs, n)
+        if self._has_gpu:
+            g = gpu_sample()
+            if g is not None:
+                self.gpu_util.append(g[0])
+                self.peak_gpu_bytes = max(self.peak_gpu_bytes, g[1])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -75,4 +102,6 @@ class ProcessTreeMonitor:
     def snapshot(self) -> dict:
         self.sample()
         return {"peak_rss_bytes": self.peak_rss or None, "peak_pss_bytes": self.peak_pss or None,
-                "processes": self.max_procs}
+                "processes": self.max_procs, "peak_gpu_bytes": self.peak_gpu_bytes or None,
+                "gpu_util_max": max(self.gpu_util) if self.gpu_util else None,
+                "gpu_util_mean": sum(self.gpu_util) / len(self.gpu_util) if self.gpu_util else None}

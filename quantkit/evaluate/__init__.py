@@ -1,7 +1,7 @@
 """`quantkit eval`: baseline and candidate in the same engine, on the same work.
 
 Entry point: `run_eval(artifact, baseline=None, suite=None, output=None, ...) -> Path` (the report
-folder; default `<artifact>-eval` beside the artifact). Modules: suite (which EvalSpec runs),
+folder; default `<artifact>/eval`). Modules: suite (which EvalSpec runs),
 quality (perplexity, top-1 agreement, top-k KL), tasks (lm-eval via local-completions), speed
 (seeded streaming workload), memory, metrics (the flat report table and cost), diagnose ("where the
 wait is"), plots, run (orchestration). Engines live in quantkit.engine; the report in quantkit.report.

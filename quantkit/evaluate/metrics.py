@@ -85,6 +85,9 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
     out["memory.kv_cache_tokens"] = (mem.get("kv_cache_tokens"), "tokens", True)
     out["memory.peak_rss_bytes"] = (mem.get("peak_rss_bytes"), "bytes", False)
     out["memory.peak_pss_bytes"] = (mem.get("peak_pss_bytes"), "bytes", False)
+    if mem.get("peak_gpu_bytes") is not None:
+        out["memory.peak_gpu_bytes"] = (mem.get("peak_gpu_bytes"), "bytes", False)
+        out["memory.gpu_util_mean"] = (mem.get("gpu_util_mean"), "percent", False)
     cost = cost_figures(side, price_per_hour)
     if cost:
         out["cost.usd_per_mtok_output"] = (cost.get("usd_per_mtok_output"), "USD/Mtok", False)

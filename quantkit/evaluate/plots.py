@@ -43,6 +43,7 @@ def plot_latency(sides: dict[str, dict | None], path: Path) -> Path | None:
                 ax.plot(xs, [float("nan") if y is None else y for y in ys], marker=mk, color=_COLORS.get(role),
                         linestyle="--" if role == "baseline" else "-", label=f"{role} p{p}")
         ax.set_title(title)
+        ax.set_xticks(sorted({c for side in sides.values() for c, _ in _levels(side)}))
         ax.set_xlabel("concurrency")
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
@@ -64,6 +65,7 @@ def plot_throughput(sides: dict[str, dict | None], path: Path) -> Path | None:
             if lv:
                 ax.plot([c for c, _ in lv], [s.get(m) or 0.0 for _, s in lv], marker="o", color=_COLORS.get(role),
                         linestyle="--" if role == "baseline" else "-", label=role)
+        ax.set_xticks(sorted({c for side in sides.values() for c, _ in _levels(side)}))
         ax.set_xlabel("concurrency")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)

@@ -5,10 +5,11 @@ engine -> the same, plus divergence against the baseline's log-probabilities -> 
 serving variant (candidate only, speed only, one engine start each). Every phase writes its raw
 result to <output>/raw/<side>.json as it finishes, so an interrupted run keeps what it measured.
 
-Output folder: `--output`, else `<artifact>-eval` beside the artifact (the artifact folder itself is
-left untouched, so its manifest checksums stay valid). Inside: report.json, report.md, plots/*.png,
-logs/ (engine logs), raw/ (per-side figures and per-request records), tasks/ (lm-eval samples),
-cache/ (vLLM and inductor caches for this run).
+Output folder: `--output`, else `<artifact>/eval` (where `quantkit gate ARTIFACT` looks; the
+manifest's checksums cover only the artifact's top-level files, so the subfolder does not disturb
+`quantkit inspect`). Inside: report.json, report.md, plots/*.png, logs/ (engine logs), raw/ (per-side
+figures and per-request records), tasks/ (lm-eval samples and rendered task files). vLLM and inductor
+caches live in cache/ during the run and are removed at the end (scratch, not evidence).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from quantkit.recipe import EvalSpec
 
 
 def default_output(artifact: Path) -> Path:
-    artifact = Path(artifact)
-    return artifact.parent / f"{artifact.name}-eval"
+    return Path(artifact) / "eval"
 
 
 def hardware() -> dict:
@@ -150,6 +150,7 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
                "workload_items": [{"prompt_tokens": len(i.prompt_ids), "output_tokens": i.output_tokens} for i in items]}
     by_role = {s.role: s.data for s in sides}
     write_report(output, context, by_role.get("baseline"), by_role["candidate"], variants)
+    shutil.rmtree(output / "cache", ignore_errors=True)
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
     return output
 
@@ -168,7 +169,7 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
     t0 = time.perf_counter()
     with engine as ep:
         timings["engine_start_s"] = time.perf_counter() - t0
-        d["engine"] = {"name": ep.engine, "version": ep.version, "model": ep.model, "info": ep.info,
+        d["engine"] = {"name": ep.engine, "version": ep.version, "model": ep.model, "info": ep.info, "pid": ep.pid,
                        "log": str(ep.log_path) if ep.log_path else None}
         progress(f"[{side.role}] engine ready in {timings['engine_start_s']:.0f} s ({ep.engine} {ep.version or ''})")
         if not speed_only:

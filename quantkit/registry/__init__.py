@@ -44,7 +44,7 @@ BACKENDS = (("hf://", _hf), ("http://", _mlflow), ("https://", _mlflow), ("sqlit
 
 def open_registry(uri: str | None = None) -> RegistryClient:
     """The client for a registry URI; None = the embedded MLflow registry in QUANTKIT_HOME."""
-    if uri is None:
+    if not uri:  # None, or an empty QUANTKIT_REGISTRY
         return _mlflow(None)
     for prefix, factory in BACKENDS:
         if uri.startswith(prefix):

@@ -30,7 +30,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from quantkit.registry.base import Bundle, RegistryClient, RegistryError, VersionInfo
+from quantkit.registry.base import NAME_RE, Bundle, RegistryClient, RegistryError, VersionInfo
 
 log = logging.getLogger("quantkit.registry")
 EXPERIMENT = "quantkit-publish"
@@ -39,7 +39,7 @@ HISTORY_MAX = 50
 
 
 def embedded_root() -> Path:
-    from quantkit.models import quantkit_home
+    from quantkit.io import quantkit_home
 
     return quantkit_home() / "registry"
 
@@ -150,8 +150,16 @@ class MlflowRegistry(RegistryClient):
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
         steps = []
-        if version is not None:
-            steps.append((f"delete version {version}", lambda: self.client.delete_model_version(name, version)))
+
+        def drop_versions():
+            # the version this publish created, also when its create call failed after the server made it
+            found = {version} if version is not None else set()
+            if run is not None:
+                found |= {str(mv.version) for mv in self.client.search_model_versions(
+                    f"name='{name}' and run_id='{run.info.run_id}'")}
+            for v in sorted(found - {None}, key=int):
+                self.client.delete_model_version(name, v)
+        steps.append(("delete the version(s) this publish created", drop_versions))
         if created_model:
             def drop_model():
                 if not self.versions(name):
@@ -183,7 +191,7 @@ class MlflowRegistry(RegistryClient):
                 return sorted(out, key=lambda m: m["name"])
 
     def versions(self, name: str) -> list[VersionInfo]:
-        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        if not NAME_RE.match(name):  # also keeps the search filter below well-formed
             raise RegistryError(f"{name!r} is not a valid model name (letters, digits, '.', '_', '-')")
         mvs = self.client.search_model_versions(f"name='{name}'")
         if not mvs:

