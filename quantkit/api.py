@@ -74,7 +74,8 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
             quiet: bool = False, capture: dict | None = None) -> Path:
     """Recipe -> compressed-tensors checkpoint + manifest.json in `output`. Resumes an unfinished run.
 
-    `capture`, when given, receives every quantized module's dequantized weight (for tests and tools
+    `capture`, when given, receives every quantized module's dequantized weight, and every float tensor a
+    transform stage rewrote under its parameter name (for tests and tools
     that compare the export against the in-memory quantized model).
     """
     from transformers import AutoTokenizer
@@ -111,16 +112,24 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
 
         n_layers = len(plans)
         stats = work.layer_stats(n_layers)
+        qat = None
+        if recipe.stages[-1].method == "qat":  # fine-tune the PTQ result; its tensors replace the layer files
+            from quantkit import qat as qat_stage
+
+            qat = qat_stage.run(recipe, model_dir, tok, plans, work.layer_files(n_layers), work.root / "qat",
+                                quiet, capture)
         export_dir = partial / "export"
         shutil.rmtree(export_dir, ignore_errors=True)
         export_dir.mkdir()
-        replaced = {m + ".weight" for m in stats}  # the float weights the compressed tensors replace
+        # the float weights the compressed tensors replace, and any stored tensor the pipeline rewrote
+        # (norm weights and biases a transform stage folded its scales into)
+        replaced = {m + ".weight" for m in stats} | set(_layer_keys(work.layer_files(n_layers)))
 
         def tensors():
             for k in ckpt.keys():  # everything the pipeline did not quantize, as stored
                 if k not in replaced:
                     yield k, ckpt.get(k)
-            yield from iter_safetensors(work.layer_files(n_layers))
+            yield from iter_safetensors(qat.files if qat else work.layer_files(n_layers))
 
         files = write_shards(export_dir, tensors(), recipe.export.max_shard_size_mb * 1024 * 1024)
         schemes = {f"group_{i}": plans_scheme for i, plans_scheme in _config_groups(plans, stats).items()}
@@ -129,6 +138,8 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, export_dir / name)
         shutil.copy2(partial / "convert.log", export_dir / "convert.log")
+        for f in qat.extra_files if qat else []:  # the QAT loss curve
+            shutil.copy2(f, export_dir / f.name)
         for f in export_dir.iterdir():
             f.chmod(0o644)
         wall = time.perf_counter() - t_start
@@ -151,12 +162,23 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
             "files": file_table(export_dir),
         }
         manifest["size_bytes"] = sum(f["size"] for f in manifest["files"].values())
+        if qat:
+            manifest["qat"] = qat.summary
         atomic_write_json(export_dir / MANIFEST, manifest)
         log.info("export written: %d files, %.1f MB, %.1fs", len(files), manifest["size_bytes"] / 1e6, wall)
     # the only moment the final name appears: one rename of a complete folder
     replace_dir(export_dir, output)
     shutil.rmtree(partial, ignore_errors=True)
     return output
+
+
+def _layer_keys(paths):
+    from safetensors import safe_open
+
+    for p in paths:
+        with safe_open(str(p), framework="pt") as f:
+            for k in f.keys():
+                yield k
 
 
 def _config_groups(plans, stats) -> dict[int, object]:

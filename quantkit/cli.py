@@ -105,7 +105,7 @@ def recipes_validate(files: Annotated[list[Path], typer.Argument(help="Recipe fi
     for f in files:
         try:
             r = load_recipe(f, set_ or [])
-            typer.echo(f"{f}: ok ({r.name}: " + ", ".join(f"{s.method}/{s.scheme}" for s in r.stages) + ")")
+            typer.echo(f"{f}: ok ({r.name}: " + ", ".join(s.method + (f"/{s.scheme}" if s.scheme else "") for s in r.stages) + ")")
         except RecipeError as exc:
             typer.echo(str(exc), err=True)
             bad += 1

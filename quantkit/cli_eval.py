@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
                            served_model=served_model, skip_baseline=no_baseline, overwrite=overwrite,
                            progress=lambda msg: typer.echo(msg, err=True))
         except KeyboardInterrupt:
-            typer.echo("interrupted: engines stopped; partial figures are in the output's raw/ folder", err=True)
+            typer.echo("interrupted: engines stopped; figures of models already finished are in the output's raw/ folder", err=True)
             raise typer.Exit(130) from None
         except (EngineError, TaskError, RecipeError, FileNotFoundError, FileExistsError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)

@@ -32,4 +32,8 @@ def fake_quant_model(model_dir: Path, recipe: Recipe, weights: dict[str, torch.T
                     act = t.scheme.activations
                     mod.register_forward_pre_hook(
                         lambda _m, args, act=act: (fake_quantize_activations(args[0], act),) + tuple(args[1:]))
+    params = dict(model.named_parameters())
+    for name, w in weights.items():  # float tensors a transform stage rewrote (norm weights, biases)
+        if name in params:
+            params[name].data = w.to(dtype)
     return model

@@ -70,7 +70,15 @@ register_arch(ArchSpec("mistral", ("mistral",)))
 register_arch(ArchSpec("qwen2", ("qwen2",)))
 register_arch(ArchSpec("qwen3", ("qwen3",)))  # q_norm / k_norm sit inside attention; linears as llama
 # Gemma: the norms are applied as (1 + weight); folding a smoothing scale into them needs care.
-register_arch(ArchSpec("gemma", ("gemma", "gemma2", "gemma3_text"), extra={"norm_offset": 1.0}))
+register_arch(ArchSpec("gemma", ("gemma",), extra={"norm_offset": 1.0}))
+# Gemma 2/3 normalise the attention output (post_attention_layernorm) before the residual add; the MLP
+# reads pre_feedforward_layernorm, so that is the norm a smoothing scale folds into.
+register_arch(ArchSpec("gemma2", ("gemma2", "gemma3_text"), extra={"norm_offset": 1.0}, smoothing=(
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+    ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)))
 
 
 def arch_for(config) -> ArchSpec:

@@ -34,6 +34,7 @@ from quantkit.io import atomic_write_json
 from quantkit.models import ArchSpec, LazyCheckpoint, materialize, release
 from quantkit.recipe import Recipe
 from quantkit.schemes import Scheme, get_scheme
+from quantkit.transforms import apply_transforms, plan_smoothing
 
 log = logging.getLogger("quantkit")
 SQNR_TOKENS = 4096  # calibration tokens used for the per-layer output SQNR diagnostic
@@ -61,6 +62,7 @@ class LayerPlan:
     prefix: str  # "model.layers.3."
     groups: list[list[Target]] = field(default_factory=list)  # true-sequential order
     group_inputs: list[str] = field(default_factory=list)  # module hooked to see each group's input
+    smoothing: list = field(default_factory=list)  # transforms.Smoothing: mappings a transform stage rescales
 
 
 def _matches(patterns: list[str], name: str, cls_name: str) -> bool:
@@ -99,6 +101,8 @@ def plan_layers(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> tuple[list[
                 full = prefix + local
                 mod = model.get_submodule(full)
                 for si, st in enumerate(recipe.stages):
+                    if st.is_transform:  # transforms rescale; only quantizer stages own modules
+                        continue
                     if _matches(st.targets, full, type(mod).__name__) and not _matches(st.ignore, full, type(mod).__name__):
                         scheme = stage_scheme(recipe, si)
                         check_divisible(scheme.weights, mod.in_features, full)
@@ -110,9 +114,10 @@ def plan_layers(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> tuple[list[
             if members:
                 plan.groups.append(members)
                 plan.group_inputs.append(prefix + group[0])
+        plan.smoothing = plan_smoothing(arch, recipe, prefix, {t.name: t for g in plan.groups for t in g})
         plans.append(plan)
     for si, st in enumerate(recipe.stages):
-        for name in sorted(all_linear - quantized):
+        for name in sorted(all_linear - quantized) if not st.is_transform else ():
             if name.endswith("lm_head") and not _matches(st.ignore, name, "Linear") and \
                     _matches(st.targets, name, "Linear"):
                 raise ConvertError(f"stages[{si}]: quantizing lm_head is not supported; keep 'lm_head' in "
@@ -187,6 +192,9 @@ def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.T
             results.update(quantize_group(layer, plan.prefix, members, recipe, None, scale_dtype, capture))
         return results, None
 
+    # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
+    smoothed = apply_transforms(layer, plan.prefix, plan.smoothing, recipe, hidden, layer_kwargs, scale_dtype,
+                                {t.name for g in plan.groups for t in g}, capture) if plan.smoothing else {}
     handles = []
     for members, hooked in zip(plan.groups, plan.group_inputs):
         mod = layer.get_submodule(hooked[len(plan.prefix):])
@@ -208,6 +216,9 @@ def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.T
         for h in handles:
             h.remove()
     out = out[0] if isinstance(out, tuple) else out
+    for name, extra in smoothed.items():  # diagnostics and folded float tensors travel with the target
+        results[name]["stats"]["smoothing"] = extra["smoothing"]
+        results[name]["tensors"].update(extra["tensors"])
     return results, out
 
 

@@ -52,13 +52,27 @@ class CalibrationSpec(_Strict):
 
 
 # ------------------------------------------------------------------------------------------- stages
-class _StageBase(_Strict):
-    scheme: str
-    group_size: int | None = Field(None, description="override the scheme's group size; -1 = per channel")
-    symmetric: bool | None = None
+class _Targeted(_Strict):
     targets: list[str] = Field(default_factory=lambda: ["Linear"],
                                description="module class names, or 're:<regex>' on module names")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+
+    @field_validator("targets", "ignore")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as exc:
+                    raise ValueError(f"{p!r} is not a valid regular expression ({exc})") from None
+        return v
+
+
+class _StageBase(_Targeted):
+    scheme: str
+    group_size: int | None = Field(None, description="override the scheme's group size; -1 = per channel")
+    symmetric: bool | None = None
 
     @field_validator("scheme")
     @classmethod
@@ -74,19 +88,12 @@ class _StageBase(_Strict):
             raise ValueError(f"{v!r} is not a valid group size (use a positive even number, or -1 per channel)")
         return v
 
-    @field_validator("targets", "ignore")
-    @classmethod
-    def _patterns(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if p.startswith("re:"):
-                try:
-                    re.compile(p[3:])
-                except re.error as exc:
-                    raise ValueError(f"{p!r} is not a valid regular expression ({exc})") from None
-        return v
-
     @property
     def needs_calibration(self) -> bool:
+        return False
+
+    @property
+    def is_transform(self) -> bool:
         return False
 
 
@@ -109,8 +116,85 @@ class GPTQStage(_StageBase):
         return True
 
 
-Stage = Annotated[Union[RTNStage, GPTQStage], Field(discriminator="method")]
-METHODS = ("rtn", "gptq")
+class _TransformBase(_Targeted):
+    """A transform rescales weights and activations without changing the float model's output; the
+    quantizer stages after it then quantize the transformed layers. It applies to every smoothing
+    mapping of the architecture whose target Linears all match `targets` (and not `ignore`) and are
+    quantized by a later stage; it optimizes for the scheme of the stage that quantizes them."""
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    @property
+    def is_transform(self) -> bool:
+        return True
+
+    @property
+    def scheme(self) -> None:  # a transform produces no scheme (and no config group) of its own
+        return None
+
+
+class AWQStage(_TransformBase):
+    """AWQ-style activation-aware scaling (Lin et al. 2023), searched per smoothing mapping."""
+
+    method: Literal["awq"]
+    grid: int = Field(20, ge=1, le=100, description="exponents tried: alpha in {0, 1/grid, ..., (grid-1)/grid}")
+    duo_scaling: bool = Field(True, description="s = mean|x|^a / mean|w|^(1-a) instead of mean|x|^a")
+    clip: bool = Field(True, description="also search a per-group weight clipping range (not for q/k)")
+    max_tokens: int = Field(2048, ge=16, description="calibration tokens used in the searches (evenly sampled)")
+
+
+class SmoothQuantStage(_TransformBase):
+    """SmoothQuant (Xiao et al. 2022): migrate activation outliers into the weights, for W8A8."""
+
+    method: Literal["smoothquant"]
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength: s = max|x|^a / max|w|^(1-a)")
+    max_tokens: int = Field(4096, ge=16, description="tokens used to check the W8A8 error before/after")
+
+
+class QATStage(_StageBase):
+    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/qat.py.
+
+    Must be the last stage. It fine-tunes every module the stages before it quantized (keeping their
+    schemes, starting from their result); modules only it targets start from round-to-nearest.
+    """
+
+    method: Literal["qat"]
+    steps: int = Field(200, ge=1, description="optimizer steps")
+    lr: float = Field(5e-5, gt=0, lt=1, description="peak AdamW learning rate (cosine schedule after warmup)")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
+    batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
+    seq_len: int = Field(512, ge=8, description="tokens per training sequence")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    loss: Literal["kd", "ce"] = Field("kd", description="kd: KL to the float model's logits; ce: next-token loss")
+    scales: Literal["fixed", "learned"] = Field("learned", description="keep the PTQ scales or learn them (LSQ)")
+    eval_every: int = Field(25, ge=1, description="held-out loss every N steps")
+    eval_samples: int = Field(8, ge=1, description="held-out sequences scored at each evaluation")
+    checkpoint_every: int = Field(25, ge=1, description="resume point every N steps")
+    seed: int = 0
+    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="share of the training windows held out")
+    gradient_checkpointing: bool = True
+
+    @field_validator("scheme")
+    @classmethod
+    def _int_weights(cls, v: str) -> str:
+        if SCHEMES[v].weights.type != "int":
+            ints = ", ".join(n for n, s in SCHEMES.items() if s.weights.type == "int")
+            raise ValueError(f"{v!r} is not an integer weight scheme, which qat needs (use one of {ints})")
+        return v
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True  # the training text comes from the calibration sources
+
+
+Stage = Annotated[Union[RTNStage, GPTQStage, AWQStage, SmoothQuantStage, QATStage], Field(discriminator="method")]
+STAGE_CLASSES = {"rtn": RTNStage, "gptq": GPTQStage, "awq": AWQStage, "smoothquant": SmoothQuantStage,
+                 "qat": QATStage}
+METHODS = tuple(STAGE_CLASSES)
+QUANTIZERS = ("rtn", "gptq")
+TRANSFORMS = ("awq", "smoothquant")
 
 
 # ------------------------------------------------------------------------------------------- export
@@ -238,11 +322,46 @@ class Recipe(_Strict):
                                  "section with at least one source")
         return self
 
+    @model_validator(mode="after")
+    def _transforms_then_quantizers(self) -> "Recipe":
+        quant = [i for i, st in enumerate(self.stages) if not st.is_transform]
+        for i, st in enumerate(self.stages):
+            if not st.is_transform:
+                continue
+            if not quant or quant[0] < i:
+                where = f"move it above stages[{quant[0]}]" if quant else \
+                    f"add a quantizer stage after it ({', '.join(QUANTIZERS)})"
+                raise ValueError(f"stages[{i}].method: {st.method!r} is a transform and must be followed by the "
+                                 f"quantizer stages it prepares: {where}")
+            if st.method == "smoothquant" and not any(get_scheme_acts(self.stages[q].scheme) for q in quant):
+                raise ValueError(f"stages[{i}].method: 'smoothquant' prepares activation quantization, but no "
+                                 "quantizer stage quantizes activations (use W8A8 or FP8_DYNAMIC, or 'awq' for "
+                                 "weight-only schemes)")
+        return self
+
+    @model_validator(mode="after")
+    def _qat_last(self) -> "Recipe":
+        qat = [i for i, st in enumerate(self.stages) if st.method == "qat"]
+        if qat and qat[-1] != len(self.stages) - 1:
+            raise ValueError(f"stages[{qat[-1]}].method: 'qat' must be the last stage (it fine-tunes what the "
+                             f"stages before it produced): move it after stages[{len(self.stages) - 1}]")
+        if len(qat) > 1:
+            raise ValueError(f"stages[{qat[0]}].method: only one 'qat' stage is allowed (found {len(qat)}); "
+                             "keep the last one")
+        st = self.stages[qat[0]] if qat else None
+        if st is not None and st.warmup_steps >= st.steps:
+            raise ValueError(f"stages[{qat[0]}].warmup_steps: {st.warmup_steps} must be below steps ({st.steps})")
+        return self
+
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+def get_scheme_acts(name: str) -> bool:
+    return SCHEMES[name].activations is not None
 
 
 # ------------------------------------------------------------------------------------ error handling
@@ -264,7 +383,7 @@ def _allowed_fields(loc: tuple) -> list[str]:
         if isinstance(part, int) or model is None:
             continue
         if part in METHODS:
-            model = {"rtn": RTNStage, "gptq": GPTQStage}[part]
+            model = STAGE_CLASSES[part]
             continue
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
@@ -307,7 +426,8 @@ def format_errors(exc: ValidationError, source: str) -> str:
             msg = f"{value!r} is not allowed ({err['ctx']['expected']})"
         elif not isinstance(value, (dict, list)) and "is not" not in msg:
             msg = f"{value!r}: {msg}"
-        lines.append(f"{source}: {path}: {msg}")
+        # recipe-level checks (model validators) already name the field they are about
+        lines.append(f"{source}: {path}: {msg}" if path != "<root>" else f"{source}: {msg}")
     return "\n".join(lines)
 
 

@@ -123,7 +123,7 @@ def _table(metrics: dict, names: list[str], labels: dict | None = None) -> list[
 def render_markdown(r: dict) -> str:
     m = r["metrics"]
     a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
-    stages = ", ".join(f"{s['method']}/{s['scheme']}" for s in ((a.get("quantization") or {}).get("stages") or []))
+    stages = ", ".join(s["method"] + (f"/{s['scheme']}" if s.get("scheme") else "") for s in ((a.get("quantization") or {}).get("stages") or []))
     L = [f"# quantkit eval: {a.get('name')}", "",
          f"- candidate: `{a.get('path')}` ({stages or 'scheme n/a'}, format {(a.get('quantization') or {}).get('format', 'n/a')})",
          f"- baseline: `{(r['baseline'] or {}).get('path') or (r['baseline'] or {}).get('url')}`",

@@ -93,9 +93,9 @@ def test_report_files_and_clean_shutdown(report_dir):
         assert "KV cache size" in log
         raw = json.loads((report_dir / "raw" / f"{role}.json").read_text())
         assert len(raw["speed"]["c1"]["records"]) == 4
-    assert not (report_dir / "cache").exists()
         pid = raw["engine"]["pid"]  # the engine's process group is gone (clean shutdown)
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not (report_dir / "cache").exists()
 
 
 def test_missing_kernel_is_explained(tmp_path):

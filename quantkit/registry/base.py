@@ -166,7 +166,7 @@ def make_tags(man: dict, report: dict, gate: dict, manifest: Path, report_file: 
         "quantkit.base_model": str((man.get("base_model") or {}).get("path", "")),
         "quantkit.base_model_fingerprint": str((man.get("base_model") or {}).get("fingerprint", "")),
         "quantkit.method": "+".join(str(s.get("method")) for s in stages),
-        "quantkit.scheme": "+".join(str(s.get("scheme")) for s in stages),
+        "quantkit.scheme": "+".join(str(s.get("scheme")) for s in stages if s.get("scheme")),  # transforms: none
         "quantkit.format": str((man.get("quantization") or {}).get("format", "")),
         "quantkit.recipe_sha256": str(man.get("recipe_sha256", "")),
         "quantkit.calibration_fingerprint": str(cal.get("fingerprint") or "none"),

@@ -1,0 +1,134 @@
+"""Quantization-aware training math: fake quantization with straight-through gradients. Pure tensor math.
+
+Method: the forward pass uses exactly the weights the export will hold, w_hat = (clamp(round(w/s) + z,
+qmin, qmax) - z) * s per group, with s rounded to its storage dtype (bf16), and for W8A8 the engine's
+dynamic per-token int8 activations. round() has no useful gradient, so the backward pass uses the
+straight-through estimator (Bengio et al. 2013) with clipping: dw_hat/dw = 1 where the code was not
+clamped (qmin <= w/s + z <= qmax) and 0 where it was. Learned scales use the LSQ gradient (Esser et al.
+2019): dw_hat/ds = round(v) - v inside the range (v = w/s + z), qmin - z below it, qmax - z above it, summed over
+the scale's group. Activations are quantized per token with their own absmax, which clips nothing, so
+their straight-through gradient is the identity (the gradient through the absmax itself is ignored).
+
+The trainable "latent" weight starts at the post-training result (RTN or GPTQ), nudged towards the
+float weight by less than half a step (`latent_init`): the starting codes are exactly the PTQ codes,
+and the fractional position tells training which neighbour code the float weight was closer to.
+
+Trade-offs: the STE is biased (it pretends rounding is the identity), which is why QAT needs a low
+learning rate and starts from a good PTQ point; learned scales recover more but can drift, so they are
+kept positive and bf16-exact in every forward pass. LSQ's gradient scale 1/sqrt(n * qmax) is left out:
+AdamW normalizes each parameter's step, which makes a constant gradient factor irrelevant.
+Left out: learned zero points, learned rounding (AdaRound), fp8 weights, mixed-precision search.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.algorithms.rtn import fake_quantize_activations
+from quantkit.schemes import ActivationSpec, WeightSpec
+
+LATENT_MARGIN = 0.45  # the latent weight stays within +-0.45 of a step of its PTQ code
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """w_hat = (clamp(round(w/s) + z, qmin, qmax) - z) * s with STE / LSQ gradients (all [out, in])."""
+
+    @staticmethod
+    def forward(ctx, w, s, z, qmin: int, qmax: int, need_scale_grad: bool):
+        v = w / s if z is None else w / s + z  # the unrounded code position
+        q = torch.round(v).clamp(qmin, qmax)
+        zz = 0.0 if z is None else z
+        deq = (q - zz) * s
+        below, above = v < qmin, v > qmax
+        ctx.save_for_backward(below, above, v if need_scale_grad else None, z)
+        ctx.qrange = (qmin, qmax)
+        ctx.need_scale_grad = need_scale_grad
+        return deq
+
+    @staticmethod
+    def backward(ctx, grad):
+        below, above, v, z = ctx.saved_tensors
+        qmin, qmax = ctx.qrange
+        inside = ~(below | above)
+        grad_w = grad * inside  # straight through inside the clamp range, zero outside
+        grad_s = None
+        if ctx.need_scale_grad:
+            zz = 0.0 if z is None else z
+            ds = torch.where(below, qmin - zz, torch.where(above, qmax - zz, torch.round(v) - v))
+            grad_s = grad * ds  # per element; autograd sums it into each group's scale
+        return grad_w, grad_s, None, None, None, None
+
+
+def fake_quant_weight_ste(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, spec: WeightSpec,
+                          learn_scale: bool = False) -> torch.Tensor:
+    """Fake-quantize a [out, in] weight with per-element (already expanded) scale / zero point."""
+    if spec.type != "int":
+        raise ValueError(f"QAT fake quantization supports integer weights only, not {spec.type!r}")
+    return _FakeQuantSTE.apply(w, s, z, spec.qmin, spec.qmax, learn_scale)
+
+
+def fake_quant_activations_ste(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """Per-token dynamic fake quantization (what the engine does) with an identity gradient."""
+    return x + (fake_quantize_activations(x, spec) - x).detach()
+
+
+def storage_round_ste(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round a scale to its storage dtype in the forward pass, identity gradient (the export is exact)."""
+    return s + (s.to(dtype).float() - s).detach()
+
+
+def latent_init(w_float: torch.Tensor, deq: torch.Tensor, s_cols: torch.Tensor,
+                margin: float = LATENT_MARGIN) -> torch.Tensor:
+    """The PTQ point plus the float weight's offset, clipped to +-margin steps (codes unchanged)."""
+    step = margin * s_cols
+    return deq + torch.maximum(torch.minimum(w_float - deq, step), -step)
+
+
+class QATLinear(nn.Module):
+    """A Linear whose forward uses fake-quantized weights (and activations), trained through the STE.
+
+    weight: the latent float weight [out, in]; weight_scale: [out, n_groups] (a Parameter when learned);
+    weight_zero_point: [out, n_groups] integer-valued (asymmetric only); g_idx: [in] column -> group.
+    The parameter names match nn.Linear's (`weight`, `bias`), so state-dict keys keep the model's names.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+                 zero_point: torch.Tensor | None, g_idx: torch.Tensor, spec: WeightSpec,
+                 act: ActivationSpec | None, learn_scale: bool, scale_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.spec, self.act, self.learn_scale, self.scale_dtype = spec, act, learn_scale, scale_dtype
+        self.weight = nn.Parameter(weight.detach().float().clone())
+        self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False) if bias is not None else None
+        if learn_scale:
+            self.weight_scale = nn.Parameter(scale.detach().float().clone())
+        else:
+            self.register_buffer("weight_scale", scale.detach().float().clone())
+        self.register_buffer("weight_zero_point",
+                             zero_point.detach().float().clone() if zero_point is not None else None)
+        self.register_buffer("g_idx", g_idx.detach().long().clone())
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-column scale and zero point, [out, in]: positive, storage-exact scales."""
+        s = storage_round_ste(self.weight_scale.clamp(min=1e-8), self.scale_dtype)  # [out, n_groups]
+        s_cols = s[:, self.g_idx]  # [out, n_groups] -> [out, in]
+        z_cols = self.weight_zero_point[:, self.g_idx] if self.weight_zero_point is not None else None
+        return s_cols, z_cols
+
+    def quantized_weight(self) -> torch.Tensor:
+        s_cols, z_cols = self.scales()
+        return fake_quant_weight_ste(self.weight, s_cols, z_cols, self.spec, self.learn_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is not None:
+            x = fake_quant_activations_ste(x, self.act)
+        return F.linear(x, self.quantized_weight().to(x.dtype), self.bias)
+
+    @torch.no_grad()
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(dequantized weight [out, in], storage-exact scale [out, n_groups], zero point) as exported."""
+        scale = self.weight_scale.clamp(min=1e-8).to(self.scale_dtype).float()
+        return self.quantized_weight().detach().clone(), scale, \
+            self.weight_zero_point.clone() if self.weight_zero_point is not None else None

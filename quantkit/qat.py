@@ -1,0 +1,376 @@
+"""The quantization-aware training stage: fine-tune the PTQ result with the quantization in the loop.
+
+`run()` is called by `api.convert` after the layer-sequential pipeline, when the recipe's last stage is
+`qat`. It loads the float model, puts in every quantized module's PTQ result (read back from the work
+folder, so a resumed conversion sees the same start) as a `QATLinear` (fake quantization, straight-
+through gradients, see quantkit/algorithms/qat.py), and trains it with AdamW against the float
+teacher's logits (KL, default) or the next token (cross-entropy). Only the quantized Linears' latent
+weights (and their scales when learned) train; embeddings, norms and lm_head stay as stored, so the
+export copies them unchanged. The result goes through the same compressed-tensors exporter as PTQ.
+
+Data: the calibration sources, tokenized and cut into `seq_len` windows; a seeded `holdout_fraction`
+of each source's windows is held out for evaluation. The micro-batch for (step, i) is drawn from a
+generator seeded with (seed, step, i), so a resumed run sees exactly the batches it would have seen.
+
+Resume: every `checkpoint_every` steps the trainable tensors and the AdamW moments go to
+`ckpt-<step>.safetensors` (written under a temporary name, then renamed), then `state.json` (atomic)
+names it; a killed run restarts from the last checkpoint named there. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.algorithms.qat import QATLinear, latent_init
+from quantkit.data import DataError, _windows, read_documents
+from quantkit.export.compressed_tensors import compress_linear
+from quantkit.io import atomic_write_json
+from quantkit.recipe import CalibrationSpec, QATStage, Recipe
+
+log = logging.getLogger("quantkit")
+BETAS = (0.9, 0.95)
+MAX_GRAD_NORM = 1.0
+
+
+class QATError(RuntimeError):
+    """A QAT problem, phrased for the user."""
+
+
+@dataclass
+class QATResult:
+    files: list[Path]  # compressed tensors of every quantized module (replace the PTQ layer files)
+    summary: dict  # recorded in manifest.json under "qat"
+    extra_files: list[Path] = field(default_factory=list)  # copied into the export (the loss curve)
+    student: nn.Module | None = None  # the trained model in its training form (for tests and tools)
+
+
+# ----------------------------------------------------------------------------------------------- data
+def split_windows(spec: CalibrationSpec, tokenizer, seq_len: int, holdout_fraction: float,
+                  seed: int) -> tuple[list[torch.Tensor], list[float], torch.Tensor]:
+    """Per-source training windows ([n_i, seq_len] each), their weights, and the held-out windows [m, seq_len]."""
+    rng = random.Random(seed)
+    train, weights, held = [], [], []
+    for i, src in enumerate(spec.sources):
+        where = f"calibration.sources[{i}]"
+        wins = _windows(read_documents(src, where, tokenizer), tokenizer, seq_len, rng)
+        rng.shuffle(wins)
+        n_hold = max(1, round(len(wins) * holdout_fraction)) if len(wins) >= 2 else 0
+        if len(wins) - n_hold < 1:
+            raise DataError(f"{where}: {src.path!r} gives {len(wins)} windows of {seq_len} tokens, too few to "
+                            "train on; add text or lower the qat stage's seq_len")
+        train.append(torch.tensor(wins[n_hold:], dtype=torch.int64))  # [n_i, seq_len]
+        held.extend(wins[:n_hold])
+        weights.append(src.weight)
+    if not held:
+        raise DataError("calibration: no held-out window for QAT: add text, or raise the qat stage's "
+                        "holdout_fraction / lower its seq_len")
+    return train, weights, torch.tensor(held, dtype=torch.int64)
+
+
+def micro_batch(train: list[torch.Tensor], weights: list[float], seed: int, step: int, micro: int,
+                batch_size: int) -> torch.Tensor:
+    """The [batch_size, seq_len] batch of (step, micro): sources by weight, windows uniformly."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + micro)
+    srcs = torch.multinomial(torch.tensor(weights, dtype=torch.float64), batch_size, replacement=True, generator=g)
+    rows = [train[s][int(torch.randint(len(train[s]), (1,), generator=g))] for s in srcs.tolist()]
+    return torch.stack(rows)  # [batch_size, seq_len]
+
+
+# ---------------------------------------------------------------------------------------------- model
+def load_float(model_dir: Path, recipe: Recipe) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True,
+                                                 trust_remote_code=recipe.model.trust_remote_code)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def rewritten_tensors(tensors: dict[str, torch.Tensor], plan, model_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Plain model tensors a transform stage rewrote (norm weights, biases), stored beside the layer's codes."""
+    names = tuple(t.name + "." for members in plan.groups for t in members)
+    return {k: v for k, v in tensors.items() if k in model_keys and not k.startswith(names)}
+
+
+def build_student(model_dir: Path, recipe: Recipe, plans, layer_files: list[Path]) -> tuple[nn.Module, dict]:
+    """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    st: QATStage = recipe.stages[-1]
+    scale_dtype = getattr(torch, recipe.model.dtype)
+    # after a transform (AWQ, SmoothQuant) the float weight is not the transformed one: start at the codes
+    nudge = not any(getattr(s, "is_transform", False) for s in recipe.stages)
+    model = load_float(model_dir, recipe)
+    model_keys = set(model.state_dict())
+    modules: dict[str, QATLinear] = {}
+    for plan, path in zip(plans, layer_files):
+        tensors = load_file(str(path))
+        with torch.no_grad():
+            for k, v in rewritten_tensors(tensors, plan, model_keys).items():
+                mod, attr = k.rsplit(".", 1)
+                getattr(model.get_submodule(mod), attr).copy_(v.float())
+        for members in plan.groups:
+            for t in members:
+                local = {k[len(t.name) + 1:]: v for k, v in tensors.items() if k.startswith(t.name + ".")}
+                local["weight_scale"] = local["weight_scale"].float()  # exact fp32 dequantization
+                dec = BaseCompressor.get_value_from_registry(t.ct_scheme.format).decompress(dict(local), t.ct_scheme)
+                deq, scale = dec["weight"].float(), local["weight_scale"]  # [out, in], [out, n_groups]
+                zp = dec.get("weight_zero_point")
+                lin = model.get_submodule(t.name)
+                g_idx = local.get("weight_g_idx")
+                g_idx = g_idx.long() if g_idx is not None else \
+                    torch.arange(lin.in_features) // (lin.in_features // scale.shape[1])  # [in] column -> group
+                latent = latent_init(lin.weight.float(), deq, scale[:, g_idx]) if nudge else deq
+                q = QATLinear(latent, lin.bias, scale, zp.float() if zp is not None else None, g_idx,
+                              t.scheme.weights, t.scheme.activations, st.scales == "learned", scale_dtype)
+                if not torch.equal(q.export()[0], deq):
+                    raise QATError(f"{t.name}: the QAT start does not reproduce the PTQ weights (internal error)")
+                model.set_submodule(t.name, q)
+                modules[t.name] = q
+    return model, modules
+
+
+def trainable(modules: dict[str, QATLinear]) -> dict[str, nn.Parameter]:
+    out = {}
+    for name, m in modules.items():
+        out[f"{name}.weight"] = m.weight
+        if m.learn_scale:
+            out[f"{name}.weight_scale"] = m.weight_scale
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- loss
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) on [b, L, vocab] logits."""
+    v = student_logits.shape[-1]
+    ls = F.log_softmax(student_logits.float().reshape(-1, v), dim=-1)  # [b*L, vocab]
+    lt = F.log_softmax(teacher_logits.float().reshape(-1, v), dim=-1)  # [b*L, vocab]
+    return F.kl_div(ls, lt, log_target=True, reduction="batchmean")
+
+
+def ce_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, v), ids[:, 1:].reshape(-1))  # [b*(L-1), vocab]
+
+
+def step_loss(student, teacher, ids: torch.Tensor, kind: str) -> torch.Tensor:
+    logits = student(input_ids=ids, use_cache=False).logits
+    if kind == "ce":
+        return ce_loss(logits, ids)
+    with torch.no_grad():
+        t = teacher(input_ids=ids, use_cache=False).logits
+    return kd_loss(logits, t)
+
+
+@torch.no_grad()
+def evaluate(student, teacher, heldout: torch.Tensor) -> dict:
+    """Held-out KL to the teacher and next-token loss, one window at a time."""
+    was = student.training
+    student.eval()
+    kl = ce = 0.0
+    for row in heldout:
+        ids = row.unsqueeze(0)  # [1, L]
+        s = student(input_ids=ids, use_cache=False).logits
+        kl += float(kd_loss(s, teacher(input_ids=ids, use_cache=False).logits))
+        ce += float(ce_loss(s, ids))
+    student.train(was)
+    return {"kl": kl / len(heldout), "ce": ce / len(heldout)}
+
+
+def lr_at(step: int, st: QATStage) -> float:
+    """Linear warmup to `lr`, then cosine decay to 0 at `steps` (step counts from 0)."""
+    if step < st.warmup_steps:
+        return st.lr * (step + 1) / st.warmup_steps
+    t = (step - st.warmup_steps) / max(1, st.steps - st.warmup_steps)
+    return st.lr * 0.5 * (1 + math.cos(math.pi * t))
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(root: Path, step: int, params: dict[str, nn.Parameter], opt: torch.optim.Optimizer,
+                    state: dict) -> None:
+    tensors = {}
+    for n, p in params.items():
+        tensors[f"param/{n}"] = p.detach().contiguous()
+        s = opt.state.get(p)
+        if s:
+            tensors[f"exp_avg/{n}"] = s["exp_avg"].contiguous()
+            tensors[f"exp_avg_sq/{n}"] = s["exp_avg_sq"].contiguous()
+            tensors[f"step/{n}"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(1)  # [] -> [1]
+    name = f"ckpt-{step:06d}.safetensors"
+    tmp = root / f".{name}.tmp"
+    save_file(tensors, str(tmp), metadata={"step": str(step)})
+    os.replace(tmp, root / name)
+    atomic_write_json(root / "state.json", {**state, "step": step, "checkpoint": name})
+    for old in root.glob("ckpt-*.safetensors"):
+        if old.name != name:
+            old.unlink()
+
+
+def load_checkpoint(root: Path, params: dict[str, nn.Parameter], opt: torch.optim.Optimizer) -> dict | None:
+    import json
+
+    sp = root / "state.json"
+    if not sp.is_file():
+        return None
+    state = json.loads(sp.read_text())
+    tensors = load_file(str(root / state["checkpoint"]))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[f"param/{n}"])
+            if f"exp_avg/{n}" in tensors:
+                opt.state[p] = {"step": tensors[f"step/{n}"].reshape(()).clone(),  # [1] -> []
+                                "exp_avg": tensors[f"exp_avg/{n}"].clone(),
+                                "exp_avg_sq": tensors[f"exp_avg_sq/{n}"].clone()}
+    return state
+
+
+def _step_done(step: int) -> None:
+    """Called after every optimizer step (a seam for tests that simulate a crash)."""
+
+
+# ------------------------------------------------------------------------------------------------ run
+def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
+          quiet: bool = False) -> dict:
+    params = trainable(modules)
+    opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=BETAS, weight_decay=0.0)
+    state = load_checkpoint(root, params, opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0}
+    start = state["step"]
+    resumed = start or None
+    if start:
+        log.info("qat: resuming after step %d", start)
+    if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    student.train()
+    if not state["eval"]:
+        state["eval"].append({"step": 0, **evaluate(student, teacher, heldout)})
+    t0 = time.perf_counter() - state["wall_time_s"]
+    bar = tqdm(range(start, st.steps), desc="qat", unit="step", disable=quiet, initial=start, total=st.steps)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, st)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(st.grad_accum):
+            ids = micro_batch(train_w, weights, st.seed, step, micro, st.batch_size)
+            loss = step_loss(student, teacher, ids, st.loss) / st.grad_accum
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_GRAD_NORM)
+        opt.step()
+        state["train_loss"].append(round(total, 6))
+        done = step + 1
+        if done % st.eval_every == 0 or done == st.steps:
+            state["eval"].append({"step": done, **evaluate(student, teacher, heldout)})
+        key = "kl" if st.loss == "kd" else "ce"
+        bar.set_postfix_str(f"loss {total:.4f}, held-out {key} {state['eval'][-1][key]:.4f}")
+        log.info("qat step %d/%d: loss %.5f lr %.3g", done, st.steps, total, lr_at(step, st))
+        state["wall_time_s"] = round(time.perf_counter() - t0, 2)
+        if done % st.checkpoint_every == 0 or done == st.steps:
+            save_checkpoint(root, done, params, opt, state)
+        _step_done(done)
+    if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_disable"):
+        student.gradient_checkpointing_disable()
+    student.eval()
+    state["resumed_at_step"] = resumed
+    return state
+
+
+def run(recipe: Recipe, model_dir: Path, tokenizer, plans, layer_files: list[Path], root: Path,
+        quiet: bool = False, capture: dict | None = None) -> QATResult:
+    """Train the last (qat) stage from the PTQ layer files; write the export tensors into `root`."""
+    st: QATStage = recipe.stages[-1]
+    root.mkdir(parents=True, exist_ok=True)
+    train_w, weights, heldout = split_windows(recipe.calibration, tokenizer, st.seq_len, st.holdout_fraction, st.seed)
+    heldout = heldout[:st.eval_samples]
+    log.info("qat: %d training windows, %d held-out windows of %d tokens",
+             sum(len(t) for t in train_w), len(heldout), st.seq_len)
+    student, modules = build_student(model_dir, recipe, plans, layer_files)
+    teacher = load_float(model_dir, recipe)
+    state = train(student, teacher, modules, st, train_w, weights, heldout, root, quiet)
+
+    scale_dtype = getattr(torch, recipe.model.dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    targets = {t.name: t for plan in plans for members in plan.groups for t in members}
+    model_keys = set(load_float_keys(student, modules))
+    for plan, path in zip(plans, layer_files):  # transform-rewritten tensors go out as the pipeline stored them
+        tensors.update(rewritten_tensors(load_file(str(path)), plan, model_keys))
+    for name, m in modules.items():
+        deq, scale, zp = m.export()
+        g_idx = m.g_idx if "weight_g_idx" in _ptq_keys(layer_files, name) else None
+        tensors.update(compress_linear(name, deq, scale, zp, g_idx, targets[name].ct_scheme, scale_dtype))
+        if capture is not None:
+            capture[name] = deq.cpu().clone()
+    out = root / "export.safetensors"
+    tmp = root / ".export.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out)
+    plot = plot_losses(state, st, root / "qat_loss.png")
+    first, last = state["eval"][0], state["eval"][-1]
+    summary = {
+        "starts_from": sorted({recipe.stages[t.stage].method for t in targets.values()}),
+        "steps": st.steps, "loss": st.loss, "scales": st.scales, "lr": st.lr, "warmup_steps": st.warmup_steps,
+        "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum, "seed": st.seed,
+        "tokens_trained": st.steps * st.grad_accum * st.batch_size * st.seq_len,
+        "train_windows": sum(len(t) for t in train_w), "heldout_windows": len(heldout),
+        "heldout_before": first, "heldout_after": last, "eval": state["eval"], "train_loss": state["train_loss"],
+        "wall_time_s": state["wall_time_s"], "resumed_at_step": state.get("resumed_at_step"),
+        "modules": len(modules),
+    }
+    log.info("qat done: held-out KL %.5f -> %.5f, CE %.4f -> %.4f in %.1fs", first["kl"], last["kl"],
+             first["ce"], last["ce"], state["wall_time_s"])
+    return QATResult([out], summary, [plot] if plot else [], student)
+
+
+def load_float_keys(student: nn.Module, modules: dict[str, QATLinear]) -> list[str]:
+    """The student's state-dict keys, minus the QAT modules' own tensors (their codes are exported)."""
+    names = tuple(n + "." for n in modules)
+    return [k for k in student.state_dict() if not k.startswith(names)]
+
+
+def _ptq_keys(layer_files: list[Path], name: str) -> set[str]:
+    from safetensors import safe_open
+
+    for p in layer_files:
+        with safe_open(str(p), framework="pt") as f:
+            keys = {k[len(name) + 1:] for k in f.keys() if k.startswith(name + ".")}
+        if keys:
+            return keys
+    return set()
+
+
+def plot_losses(state: dict, st: QATStage, path: Path) -> Path | None:
+    """Training loss per step and held-out loss at each evaluation, as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(range(1, len(state["train_loss"]) + 1), state["train_loss"], lw=0.8, alpha=0.6,
+            label=f"train ({'KL to float' if st.loss == 'kd' else 'next-token CE'})")
+    key = "kl" if st.loss == "kd" else "ce"
+    ax.plot([e["step"] for e in state["eval"]], [e[key] for e in state["eval"]], "o-", label=f"held-out {key}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"QAT: {st.scheme}, lr {st.lr:g}, {st.scales} scales")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

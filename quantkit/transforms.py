@@ -1,0 +1,193 @@
+"""Transform stages (AWQ, SmoothQuant) inside the layer-sequential pipeline: which smoothing mappings a
+stage applies to, and, per decoder layer, one float forward that captures their inputs, then the scale
+choice (quantkit/algorithms/awq.py, smoothquant.py) and the fold (algorithms/smoothing.py).
+
+The quantizing forward of the pipeline then runs on the transformed layer. The folded float tensors
+that are not quantized afterwards (norm weights, biases) are returned so that the export writes them
+in place of the stored ones; the diagnostics go into the stats of the Linears each mapping feeds
+(manifest.json "layers" -> <module> -> "smoothing").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.algorithms.awq import awq_clip, awq_search
+from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, fold_into_norm, scale_columns
+from quantkit.algorithms.smoothquant import smoothquant
+from quantkit.models import ModelError
+
+NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj)$")
+
+
+@dataclass
+class Smoothing:
+    """One smoothing mapping of one layer, claimed by one transform stage."""
+
+    stage: int
+    prev: str  # local name in the layer: "input_layernorm", "self_attn.v_proj", ...
+    targets: list  # pipeline.Target, in the order of the architecture spec
+    norm_offset: float = 0.0  # the norm multiplies by (offset + weight): 1 for Gemma
+
+
+def _matches(patterns: list[str], name: str, cls_name: str) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == name or p == cls_name:
+            return True
+    return False
+
+
+def plan_smoothing(arch, recipe, prefix: str, quantized: dict) -> list[Smoothing]:
+    """The mappings of one layer each transform stage applies to (first matching transform wins).
+
+    `quantized` maps full module names to their pipeline Target. A mapping applies only when every
+    Linear it feeds is quantized by a later stage and matches the transform's targets / ignore.
+    """
+    out, claimed = [], set()
+    for si, st in enumerate(recipe.stages):
+        if not st.is_transform:
+            continue
+        for prev, feeds in arch.smoothing:
+            if prev in claimed:
+                continue
+            names = [prefix + f for f in feeds]
+            if not all(n in quantized and _matches(st.targets, n, "Linear") and not _matches(st.ignore, n, "Linear")
+                       for n in names):
+                continue
+            claimed.add(prev)
+            out.append(Smoothing(si, prev, [quantized[n] for n in names], float(arch.extra.get("norm_offset", 0.0))))
+    return out
+
+
+class _Capture:
+    """Per-channel |x| sum and max over all tokens, and an evenly spaced sample of tokens."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.abs_sum = self.abs_max = self.sample = None
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [tokens, features]
+        a = x2.abs()
+        self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
+        self.abs_max = a.amax(0) if self.abs_max is None else torch.maximum(self.abs_max, a.amax(0))
+        self.tokens += x2.shape[0]
+        if self.sample is None:
+            pick = torch.linspace(0, x2.shape[0] - 1, min(self.max_tokens, x2.shape[0])).round().long()
+            self.sample = x2[pick].clone()
+
+
+def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing], recipe, hidden: torch.Tensor,
+                     layer_kwargs: dict, scale_dtype: torch.dtype, quantized_names: set[str],
+                     capture: dict | None = None) -> dict[str, dict]:
+    """Transform one float layer in place. Returns {target module: {"smoothing": stats, "tensors": {...}}}."""
+    caps: dict[int, _Capture] = {}
+    prev_out: dict[int, _Capture] = {}
+    handles = []
+    for k, sm in enumerate(smoothings):
+        st = recipe.stages[sm.stage]
+        caps[k] = _Capture(st.max_tokens)
+        first = layer.get_submodule(sm.targets[0].name[len(prefix):])
+        handles.append(first.register_forward_pre_hook(lambda _m, args, c=caps[k]: c.add(args[0])))
+        prev = layer.get_submodule(sm.prev)
+        if not isinstance(prev, nn.Linear):  # a norm: its output must be exactly what the targets read
+            prev_out[k] = _Capture(st.max_tokens)
+            handles.append(prev.register_forward_hook(lambda _m, _a, out, c=prev_out[k]: c.add(
+                out[0] if isinstance(out, tuple) else out)))
+    try:
+        with torch.no_grad():
+            layer(hidden, **layer_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+    results: dict[str, dict] = {}
+    with torch.no_grad():
+        for k, sm in enumerate(smoothings):
+            res = _apply_one(layer, prefix, sm, recipe, caps[k], prev_out.get(k), scale_dtype, quantized_names,
+                             capture)
+            for i, t in enumerate(sm.targets):
+                entry = results.setdefault(t.name, {"smoothing": None, "tensors": {}})
+                entry["smoothing"] = res["stats"]
+                if i == 0:
+                    entry["tensors"].update(res["tensors"])
+    return results
+
+
+def _apply_one(layer, prefix, sm: Smoothing, recipe, cap: _Capture, prev_cap: _Capture | None,
+               scale_dtype, quantized_names, capture) -> dict:
+    st = recipe.stages[sm.stage]
+    stats: dict = {"transform": st.method, "stage": sm.stage, "from": sm.prev}
+    prev = layer.get_submodule(sm.prev)
+    mods = [layer.get_submodule(t.name[len(prefix):]) for t in sm.targets]
+    is_linear = isinstance(prev, nn.Linear)
+    channels = prev.out_features if is_linear else prev.weight.numel()
+    parent = layer.get_submodule(sm.targets[0].name[len(prefix):].rpartition(".")[0] or "")
+    idx = channel_index(channels, mods[0].in_features, getattr(parent, "head_dim", None))
+    if idx is None:
+        return {"stats": {**stats, "skipped": f"{channels} channels of {sm.prev} do not map onto "
+                          f"{mods[0].in_features} input columns"}, "tensors": {}}
+    if prev_cap is not None:  # the spec says the norm feeds the targets: check it really does
+        a, b = prev_cap.sample, cap.sample
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-8):
+            raise ModelError(f"{prefix}{sm.prev}: the architecture spec says its output feeds "
+                             f"{', '.join(t.name for t in sm.targets)}, but their input differs; fix the "
+                             "smoothing mappings of this model family in quantkit/models.py")
+    weights = [m.weight.detach().float() for m in mods]
+    specs = [t.scheme.weights for t in sm.targets]
+    acts = [t.scheme.activations for t in sm.targets]
+    x = cap.sample
+    if st.method == "awq":
+        r = awq_search(x, cap.abs_sum / cap.tokens, weights, specs, acts, idx, channels, st.grid,
+                       st.duo_scaling, scale_dtype)
+        s, applied = r.scales, r.alpha is not None
+        stats.update(alpha=r.alpha)
+    else:
+        r = smoothquant(x, cap.abs_max, weights, specs, acts, idx, channels, st.alpha, scale_dtype)
+        s, applied = r.scales, r.applied
+        stats.update(alpha=st.alpha, applied=r.applied)
+    stats.update(error_before=float(f"{r.error_before:.6g}"), error_after=float(f"{r.error_after:.6g}"))
+
+    tensors: dict[str, torch.Tensor] = {}
+    s_eff = torch.ones(channels)
+    if applied:
+        if is_linear:
+            w, b = fold_into_linear_rows(prev.weight, prev.bias, s)
+            prev.weight.data = w.to(prev.weight.dtype)
+            if prev.bias is not None:
+                prev.bias.data = b.to(scale_dtype).to(prev.bias.dtype)
+                tensors[f"{prefix}{sm.prev}.bias"] = prev.bias.detach().to(scale_dtype).cpu().clone()
+            if f"{prefix}{sm.prev}" not in quantized_names:  # exported as a float weight
+                prev.weight.data = prev.weight.data.to(scale_dtype).to(prev.weight.dtype)
+                tensors[f"{prefix}{sm.prev}.weight"] = prev.weight.detach().to(scale_dtype).cpu().clone()
+            s_eff = s
+        else:
+            new, s_eff = fold_into_norm(prev.weight.detach(), s, sm.norm_offset, scale_dtype)
+            prev.weight.data = new.to(prev.weight.dtype)
+            tensors[f"{prefix}{sm.prev}.weight"] = new.to(scale_dtype).cpu().clone()
+        for m in mods:
+            m.weight.data = scale_columns(m.weight.detach(), s_eff[idx]).to(m.weight.dtype)
+        stats["scale_range"] = [float(f"{float(s.min()):.4g}"), float(f"{float(s.max()):.4g}")]
+    if st.method == "awq" and st.clip:
+        xs = x / s_eff[idx][None, :]
+        shrink = {}
+        for t, m in zip(sm.targets, mods):
+            if NO_CLIP.search(t.name):
+                continue
+            w, mean_r = awq_clip(xs, m.weight.detach().float(), t.scheme.weights, scale_dtype)
+            m.weight.data = w.to(m.weight.dtype)
+            shrink[t.name.rpartition(".")[2]] = round(mean_r, 4)
+        if shrink:
+            stats["clip_mean_ratio"] = shrink
+    if capture is not None:
+        for name, tensor in tensors.items():
+            capture[name] = tensor.float().clone()
+    return {"stats": stats, "tensors": tensors}

@@ -1,0 +1,243 @@
+"""Quantization-aware training: straight-through / LSQ gradients by hand, QAT lowers the held-out loss
+against the float teacher, a crashed run resumes to the same weights, the export reloads like training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, tiny_recipe
+from quantkit import api
+from quantkit import qat as qat_runner
+from quantkit.algorithms.qat import QATLinear, fake_quant_activations_ste, latent_init
+from quantkit.algorithms.rtn import fake_quantize_activations, rtn
+from quantkit.recipe import RecipeError, parse_recipe
+from quantkit.schemes import ActivationSpec, WeightSpec
+
+W4 = WeightSpec(4, "int", True, "group", 4)
+W4_ASYM = WeightSpec(4, "int", False, "group", 4)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Determinism, and speed: on a loaded 2-core machine one thread beats two spinning ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def peaky_llama(tmp_path_factory) -> Path:
+    """The tiny Llama with larger (tied) embeddings, so its next-token distribution is far from uniform
+    and 4-bit rounding moves it measurably (the default tiny model's logits are almost flat)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("peaky") / "m", "llama", seed=1)
+    sd = load_file(str(folder / "model.safetensors"))
+    sd["model.embed_tokens.weight"] = (sd["model.embed_tokens.weight"].float() * 25).to(torch.bfloat16)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def _qat(**kw) -> dict:
+    st = {"method": "qat", "scheme": "W4A16", "group_size": 16, "steps": 30, "lr": 3e-4, "warmup_steps": 3,
+          "batch_size": 4, "seq_len": 32, "eval_every": 10, "checkpoint_every": 10, "eval_samples": 8}
+    st.update(kw)
+    return st
+
+
+def _convert(model_dir, calib, stages, out, **kw):
+    r = parse_recipe(tiny_recipe(model_dir, calib, stages))
+    cap: dict = {}
+    api.convert(r, out, quiet=True, capture=cap, **kw)
+    return r, cap, json.loads((out / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------------------------- gradients by hand
+def _one_group(spec, learn, w, s=0.125, z=None):
+    m = QATLinear(torch.tensor([w]), None, torch.tensor([[s]]), None if z is None else torch.tensor([[float(z)]]),
+                  torch.zeros(4, dtype=torch.long), spec, None, learn, torch.bfloat16)
+    wq = m.quantized_weight()
+    wq.backward(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    return m, wq
+
+
+def test_ste_weight_gradient_is_identity_inside_and_zero_outside():
+    # s = 0.125 (exact in bf16); w/s = 2.4 (inside), -9.6 (below qmin -8), 7.6 (above qmax 7), 0.5 (ties to even)
+    m, wq = _one_group(W4, False, [0.3, -1.2, 0.95, 0.0625])
+    assert torch.equal(wq, torch.tensor([[0.25, -1.0, 0.875, 0.0]]))
+    assert torch.equal(m.weight.grad, torch.tensor([[1.0, 0.0, 0.0, 4.0]]))
+
+
+def test_lsq_scale_gradient():
+    # dw_hat/ds: round(v) - v inside, qmin below, qmax above -> 1*(2-2.4) + 2*(-8) + 3*7 + 4*(0-0.5) = 2.6
+    m, _ = _one_group(W4, True, [0.3, -1.2, 0.95, 0.0625])
+    assert m.weight_scale.grad.item() == pytest.approx(2.6, abs=1e-5)
+    assert torch.equal(m.weight.grad, torch.tensor([[1.0, 0.0, 0.0, 4.0]]))
+    # asymmetric, z = 3: v = w/s + 3 = 5.4, -6.6, 10.6, 3.5 -> only 10.6 clamps (to 7);
+    # ds = round(v) - v inside, qmax - z above: (5 - 5.4), (-7 + 6.6), 4, (4 - 3.5) -> -0.4 - 0.8 + 12 + 2
+    m, wq = _one_group(W4_ASYM, True, [0.3, -1.2, 0.95, 0.0625], z=3)
+    assert torch.allclose(wq, torch.tensor([[0.25, -1.25, 0.5, 0.125]]))
+    assert torch.equal(m.weight.grad, torch.tensor([[1.0, 2.0, 0.0, 4.0]]))
+    assert m.weight_scale.grad.item() == pytest.approx(12.8, abs=1e-4)
+
+
+def test_activation_ste_is_identity():
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    spec = ActivationSpec(8, "int")
+    y = fake_quant_activations_ste(x, spec)
+    assert torch.equal(y, fake_quantize_activations(x.detach(), spec))
+    g = torch.randn_like(x)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+
+
+def test_latent_start_keeps_the_ptq_codes():
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    spec = WeightSpec(4, "int", True, "group", 16)
+    deq, qp = rtn(w, spec)
+    s_cols = qp.scale.repeat_interleave(16, dim=1)  # [8, 2] -> [8, 32]
+    g = torch.arange(32) // 16
+    gptq_like = deq + s_cols * torch.sign(w - deq)  # another grid point, one step away
+    gptq_like = torch.round(gptq_like / s_cols).clamp(-8, 7) * s_cols
+    for start in (deq, gptq_like):
+        lat = latent_init(w, start, s_cols)
+        m = QATLinear(lat, None, qp.scale, None, g, spec, None, False, torch.bfloat16)
+        assert torch.equal(m.export()[0], start)
+        assert ((lat - start).abs() <= 0.45 * s_cols + 1e-7).all()
+
+
+# ------------------------------------------------------------------------------------------ training
+def test_qat_lowers_heldout_kl_and_export_reloads_like_training(peaky_llama, calib_text, tmp_path, monkeypatch):
+    kept = {}
+    orig = qat_runner.run
+
+    def spy(*a, **k):
+        kept["res"] = orig(*a, **k)
+        return kept["res"]
+
+    monkeypatch.setattr(qat_runner, "run", spy)
+    out = tmp_path / "out"
+    r, cap, man = _convert(peaky_llama, calib_text, [_qat()], out)
+    q = man["qat"]
+    before, after = q["heldout_before"]["kl"], q["heldout_after"]["kl"]
+    assert after < 0.7 * before, (before, after)  # QAT from RTN recovers most of the KL to the float model
+    assert q["starts_from"] == ["qat"] and len(q["train_loss"]) == 30 and q["wall_time_s"] > 0
+    assert (out / "qat_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "qat_loss.png" in man["files"]
+    # the export reloads with the outputs the trained (fake-quant) model had in training
+    from transformers import AutoModelForCausalLM
+
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = kept["res"].student(ids).logits
+        b = got(ids).logits
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    for name, w in cap.items():
+        assert torch.equal(got.get_submodule(name).weight.to(torch.bfloat16), w.to(torch.bfloat16)), name
+
+
+def test_w8a8_qat_after_gptq_reloads(peaky_llama, calib_text, tmp_path):
+    # transformers quantizes activations with absmax / 127.5, quantkit (and vLLM) with absmax / 127
+    out = tmp_path / "out"
+    stages = [{"method": "gptq", "scheme": "W8A8"}, _qat(scheme="W8A8", group_size=None, steps=6, loss="ce")]
+    r, cap, man = _convert(peaky_llama, calib_text, stages, out)
+    assert man["qat"]["starts_from"] == ["gptq"] and man["qat"]["loss"] == "ce"
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "int-quantized" and cfg["config_groups"]["group_0"]["input_activations"]["dynamic"]
+    from quantkit.fakequant import fake_quant_model
+    from transformers import AutoModelForCausalLM
+
+    ref = fake_quant_model(peaky_llama, r, cap)
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).logits, got(ids).logits
+    assert (a - b).abs().max() <= 0.1 * a.abs().max()
+
+
+def test_resume_after_crash_gives_the_same_weights(peaky_llama, calib_text, tmp_path, monkeypatch):
+    stages = [{"method": "gptq", "scheme": "W4A16", "group_size": 16},
+              _qat(steps=8, checkpoint_every=3, eval_every=4, scales="learned")]
+    ref = tmp_path / "ref"
+    _convert(peaky_llama, calib_text, stages, ref)
+
+    def crash(step):
+        if step == 5:
+            raise KeyboardInterrupt("simulated crash at step 5")
+
+    monkeypatch.setattr(qat_runner, "_step_done", crash)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        _convert(peaky_llama, calib_text, stages, out)
+    state = json.loads((api.partial_dir(out) / "work" / "qat" / "state.json").read_text())
+    assert state["step"] == 3 and state["checkpoint"] == "ckpt-000003.safetensors"
+    monkeypatch.undo()
+    _, _, man = _convert(peaky_llama, calib_text, stages, out)
+    assert man["qat"]["resumed_at_step"] == 3
+    assert (ref / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    ref_man = json.loads((ref / "manifest.json").read_text())
+    assert man["qat"]["train_loss"] == ref_man["qat"]["train_loss"]
+
+
+# -------------------------------------------------------------------------------------------- recipe
+@pytest.mark.parametrize("stages, expected", [
+    ([{"method": "qat", "scheme": "W4A16"}, {"method": "rtn", "scheme": "W4A16"}],
+     "stages[0].method: 'qat' must be the last stage (it fine-tunes what the stages before it produced): "
+     "move it after stages[1]"),
+    ([{"method": "qat", "scheme": "FP8_DYNAMIC"}], "stages[0].scheme: 'FP8_DYNAMIC' is not an integer weight scheme, which qat needs (use one of W8A8"),
+    ([{"method": "qat", "scheme": "W4A16", "steps": 5, "warmup_steps": 5}],
+     "stages[0].warmup_steps: 5 must be below steps (5)"),
+    ([{"method": "qat", "scheme": "W4A16", "loss": "mse"}], "stages[0].loss: 'mse' is not allowed ('kd' or 'ce')"),
+    ([{"method": "qat", "scheme": "W4A16", "lerning_rate": 1}], "unknown key 'lerning_rate' (allowed: "),
+])
+def test_qat_recipe_errors(tmp_path, stages, expected):
+    data = tiny_recipe(tmp_path, tmp_path, stages)
+    with pytest.raises(RecipeError) as ei:
+        parse_recipe(data, "x.yaml")
+    assert expected in str(ei.value)
+
+
+def test_qat_needs_training_text(tmp_path):
+    with pytest.raises(RecipeError, match=r"stages\[0\] \(qat\) needs calibration data"):
+        parse_recipe(tiny_recipe(tmp_path, None, [{"method": "qat", "scheme": "W4A16"}]), "x.yaml")
+
+
+# ------------------------------------------------------------------------------------------- slow
+@pytest.mark.slow
+def test_smollm2_w8a8_qat_serves_in_vllm(tmp_path, monkeypatch):
+    """A short W8A8 QAT run of the demo model exports a checkpoint vLLM (CPU) loads and generates with."""
+    import os
+    from importlib import util
+
+    import httpx
+
+    from conftest import REPO
+    from quantkit.recipe import load_recipe
+
+    demo = Path(os.environ.get("QUANTKIT_REAL_HOME", Path.home() / ".cache" / "quantkit")) / "models" / "smollm2-135m"
+    if not (demo / "config.json").is_file():
+        pytest.skip("demo model missing: run `quantkit models fetch smollm2-135m` first (scripts/test.sh does)")
+    if util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install 'quantkit[cpu]')")
+    monkeypatch.chdir(REPO)
+    r = load_recipe(REPO / "recipes" / "smollm2-w4a16-gptq-qat.yaml", [
+        f"model.path={demo}", "calibration.num_samples=2",
+        "stages=[{method: qat, scheme: W8A8, steps: 3, warmup_steps: 1, batch_size: 1, seq_len: 128, "
+        "eval_every: 3, eval_samples: 2, lr: 0.00005}]"])
+    out = api.convert(r, tmp_path / "w8a8-qat", quiet=True)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["qat"]["steps"] == 3 and (out / "qat_loss.png").is_file()
+    from quantkit.engine.vllm_server import VLLMServer
+
+    with VLLMServer(out, tmp_path / "run", "m", max_model_len=512) as ep:
+        resp = httpx.post(f"{ep.base_url}/v1/completions", timeout=300,
+                          json={"model": "m", "prompt": "The three primary colours are", "max_tokens": 16,
+                                "temperature": 0})
+        resp.raise_for_status()
+        assert len(resp.json()["choices"][0]["text"].split()) >= 3
