@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from quantkit.algorithms.rtn import check_divisible, fake_quantize_activations, 
 from quantkit.export.compressed_tensors import compress_linear
 from quantkit.io import atomic_write_json
 from quantkit.models import ArchSpec, LazyCheckpoint, materialize, release
-from quantkit.recipe import Recipe
+from quantkit.recipe import Recipe, matches_pattern
 from quantkit.schemes import Scheme, get_scheme
 from quantkit.transforms import apply_transforms, plan_smoothing
 
@@ -65,16 +64,6 @@ class LayerPlan:
     smoothing: list = field(default_factory=list)  # transforms.Smoothing: mappings a transform stage rescales
 
 
-def _matches(patterns: list[str], name: str, cls_name: str) -> bool:
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif p == name or p == cls_name:
-            return True
-    return False
-
-
 def stage_scheme(recipe: Recipe, i: int) -> Scheme:
     st = recipe.stages[i]
     return get_scheme(st.scheme).with_overrides(group_size=st.group_size, symmetric=st.symmetric)
@@ -103,7 +92,7 @@ def plan_layers(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> tuple[list[
                 for si, st in enumerate(recipe.stages):
                     if st.is_transform:  # transforms rescale; only quantizer stages own modules
                         continue
-                    if _matches(st.targets, full, type(mod).__name__) and not _matches(st.ignore, full, type(mod).__name__):
+                    if matches_pattern(st.targets, full, type(mod).__name__) and not matches_pattern(st.ignore, full, type(mod).__name__):
                         scheme = stage_scheme(recipe, si)
                         check_divisible(scheme.weights, mod.in_features, full)
                         if si not in ct_schemes:
@@ -118,8 +107,8 @@ def plan_layers(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> tuple[list[
         plans.append(plan)
     for si, st in enumerate(recipe.stages):
         for name in sorted(all_linear - quantized) if not st.is_transform else ():
-            if name.endswith("lm_head") and not _matches(st.ignore, name, "Linear") and \
-                    _matches(st.targets, name, "Linear"):
+            if name.endswith("lm_head") and not matches_pattern(st.ignore, name, "Linear") and \
+                    matches_pattern(st.targets, name, "Linear"):
                 raise ConvertError(f"stages[{si}]: quantizing lm_head is not supported; keep 'lm_head' in "
                                    f"stages[{si}].ignore")
     if not quantized:

@@ -52,6 +52,17 @@ class CalibrationSpec(_Strict):
 
 
 # ------------------------------------------------------------------------------------------- stages
+def matches_pattern(patterns: list[str], name: str, cls_name: str) -> bool:
+    """A module matches a `targets`/`ignore` entry by full name, by class name, or by `re:<regex>` on its name."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == name or p == cls_name:
+            return True
+    return False
+
+
 class _Targeted(_Strict):
     targets: list[str] = Field(default_factory=lambda: ["Linear"],
                                description="module class names, or 're:<regex>' on module names")

@@ -20,6 +20,7 @@ from quantkit.algorithms.awq import awq_clip, awq_search
 from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, fold_into_norm, scale_columns
 from quantkit.algorithms.smoothquant import smoothquant
 from quantkit.models import ModelError
+from quantkit.recipe import matches_pattern
 
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj)$")
 
@@ -32,16 +33,6 @@ class Smoothing:
     prev: str  # local name in the layer: "input_layernorm", "self_attn.v_proj", ...
     targets: list  # pipeline.Target, in the order of the architecture spec
     norm_offset: float = 0.0  # the norm multiplies by (offset + weight): 1 for Gemma
-
-
-def _matches(patterns: list[str], name: str, cls_name: str) -> bool:
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif p == name or p == cls_name:
-            return True
-    return False
 
 
 def plan_smoothing(arch, recipe, prefix: str, quantized: dict) -> list[Smoothing]:
@@ -58,7 +49,7 @@ def plan_smoothing(arch, recipe, prefix: str, quantized: dict) -> list[Smoothing
             if prev in claimed:
                 continue
             names = [prefix + f for f in feeds]
-            if not all(n in quantized and _matches(st.targets, n, "Linear") and not _matches(st.ignore, n, "Linear")
+            if not all(n in quantized and matches_pattern(st.targets, n, "Linear") and not matches_pattern(st.ignore, n, "Linear")
                        for n in names):
                 continue
             claimed.add(prev)
