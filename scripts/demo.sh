@@ -14,7 +14,7 @@ quantkit inspect runs/smollm2-w4a16-gptq
 
 for run in smollm2-w8a8-rtn smollm2-w4a16-gptq; do
   if why=$(python -c "import sys; from quantkit.engine.capability import artifact_can_run as c; ok, w = c('runs/$run'); print(w); sys.exit(0 if ok else 1)"); then
-    quantkit eval "runs/$run"
+    quantkit eval "runs/$run" --overwrite
     if quantkit gate "runs/$run"; then
       quantkit publish "runs/$run"
     else
