@@ -132,7 +132,7 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
             yield from iter_safetensors(qat.files if qat else work.layer_files(n_layers))
 
         files = write_shards(export_dir, tensors(), recipe.export.max_shard_size_mb * 1024 * 1024)
-        schemes = {f"group_{i}": plans_scheme for i, plans_scheme in _config_groups(plans, stats).items()}
+        schemes = {f"group_{i}": scheme for i, scheme in _config_groups(plans, stats).items()}
         write_config(model_dir / "config.json", export_dir, quantization_config(schemes, unquantized))
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():

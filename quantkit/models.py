@@ -226,9 +226,6 @@ class LazyCheckpoint:
             raise KeyError(f"{self.folder}: tensor {key!r} not found in the safetensors files")
         return self._handles[self._where[key]].get_tensor(key)
 
-    def dtype_of(self, key: str) -> torch.dtype:
-        return self._handles[self._where[key]].get_slice(key).get_dtype()
-
 
 def build_skeleton(folder: Path, dtype: str, trust_remote_code: bool = False):
     """Module tree with parameters on the meta device (buffers such as rotary tables are real)."""
@@ -258,7 +255,3 @@ def materialize(module: nn.Module, prefix: str, ckpt: LazyCheckpoint, dtype: tor
 def release(module: nn.Module) -> None:
     """Drop a module's parameter storage (back to meta) so peak memory stays one layer wide."""
     module.to("meta")
-
-
-def get_submodule(root: nn.Module, dotted: str) -> nn.Module:
-    return root.get_submodule(dotted)
