@@ -201,19 +201,25 @@ def normalize_config_json(config_json: Path, drop_quantization: bool = False) ->
 
 # ----------------------------------------------------------------------------- lazy checkpoint view
 class LazyCheckpoint:
-    """Read tensors by name from a folder of safetensors files, one at a time."""
+    """Read tensors by name from a folder of safetensors files.
+
+    A file is open only while tensors are read from it: safetensors reads through a memory map, and the
+    pages of a file that stays open count in the resident set, so a checkpoint held open would make
+    peak memory grow with every layer read.
+    """
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
         self.folder = Path(folder)
-        self._handles: dict[str, object] = {}
-        self._where: dict[str, str] = {}
+        self._where: dict[str, Path] = {}
+        self._layout: dict[str, tuple[str, tuple[int, ...]]] = {}  # key -> (safetensors dtype code, shape)
         for f in sorted(self.folder.glob("*.safetensors")):
-            h = safe_open(str(f), framework="pt")
-            self._handles[f.name] = h
-            for k in h.keys():
-                self._where[k] = f.name
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    self._where[k] = f
+                    self._layout[k] = (sl.get_dtype(), tuple(sl.get_shape()))
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -221,10 +227,31 @@ class LazyCheckpoint:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
-    def get(self, key: str) -> torch.Tensor:
+    def layout(self, key: str) -> tuple[str, tuple[int, ...]]:
+        self._check(key)
+        return self._layout[key]
+
+    def _check(self, key: str) -> None:
         if key not in self._where:
             raise KeyError(f"{self.folder}: tensor {key!r} not found in the safetensors files")
-        return self._handles[self._where[key]].get_tensor(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.get_many([key])[key]
+
+    def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Several tensors, each file opened once and closed again."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            self._check(k)
+            by_file.setdefault(self._where[k], []).append(k)
+        out = {}
+        for f, ks in by_file.items():
+            with safe_open(str(f), framework="pt") as h:
+                for k in ks:
+                    out[k] = h.get_tensor(k)
+        return out
 
 
 def build_skeleton(folder: Path, dtype: str, trust_remote_code: bool = False):
@@ -243,12 +270,16 @@ def build_skeleton(folder: Path, dtype: str, trust_remote_code: bool = False):
 def materialize(module: nn.Module, prefix: str, ckpt: LazyCheckpoint, dtype: torch.dtype,
                 device: torch.device | str = "cpu", fallback: dict[str, str] | None = None) -> None:
     """Load `module`'s parameters from the checkpoint (names = prefix + local name), in `dtype`."""
-    state = {}
+    keys = {}
     for name, _ in module.named_parameters():
         key = prefix + name
         if key not in ckpt and fallback and key in fallback:
             key = fallback[key]
-        state[name] = ckpt.get(key).to(device=device, dtype=dtype)
+        keys[name] = key
+    stored = ckpt.get_many(list(keys.values()))
+    # a copy even when the dtype matches: the stored tensors are backed by the file's memory map
+    state = {name: stored[key].to(device=device, dtype=dtype, copy=True) for name, key in keys.items()}
+    del stored
     module.load_state_dict(state, strict=False, assign=True)
 
 

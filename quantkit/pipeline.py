@@ -27,16 +27,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.algorithms.gptq import HessianAccumulator, gptq_quantize
-from quantkit.algorithms.rtn import check_divisible, fake_quantize_activations, rtn, sqnr_db
+from quantkit.algorithms.rtn import check_divisible, fake_quantize_activations, output_sqnr_db, rtn, sqnr_db
 from quantkit.export.compressed_tensors import compress_linear
-from quantkit.io import atomic_write_json
+from quantkit.io import atomic_write_json, release_free_memory
 from quantkit.models import ArchSpec, LazyCheckpoint, materialize, release
 from quantkit.recipe import Recipe, matches_pattern
 from quantkit.schemes import Scheme, get_scheme
 from quantkit.transforms import apply_transforms, plan_smoothing
 
 log = logging.getLogger("quantkit")
-SQNR_TOKENS = 4096  # calibration tokens used for the per-layer output SQNR diagnostic
+SQNR_TOKENS = 4096  # calibration tokens for the output SQNR of stages without a Hessian (RTN)
 
 
 class ConvertError(RuntimeError):
@@ -161,7 +161,9 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], re
             w = m.weight.detach().float()
             stats = {"stage": si, "method": st.method, "scheme": t.scheme.name,
                      "weight_sqnr_db": round(sqnr_db(w, deq), 3), "seconds": round(elapsed / len(mods), 4), **extra}
-            if x2 is not None:
+            if H is not None:  # exact over every calibration token
+                stats["output_sqnr_db"] = round(output_sqnr_db(w, deq, H), 3)
+            elif x2 is not None:
                 xs = x2[:SQNR_TOKENS]
                 stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ deq.t()), 3)
             tensors = compress_linear(t.name, deq, scale, zp, g_idx, t.ct_scheme, scale_dtype)
@@ -338,6 +340,8 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plans
         bar.set_postfix_str(f"min SQNR {worst:.1f} dB" + (f", GPTQ loss {loss:.3g}" if loss else ""))
         log.info("layer %d done in %.2fs: min SQNR %.2f dB%s", i, time.perf_counter() - t0, worst,
                  f", GPTQ loss {loss:.4g}" if loss else "")
+        del results
+        release_free_memory()
 
 
 def _to_device(obj, device, dtype):

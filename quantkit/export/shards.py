@@ -1,0 +1,132 @@
+"""Stream tensors into safetensors shards holding at most one tensor in memory.
+
+`safetensors.torch.save_file` needs every tensor of a file in memory at once, so writing a 2 GB shard
+that way holds 2 GB. Here each tensor is described up front (name, dtype, shape: enough to lay out the
+file's header) and read only when its bytes are written, then dropped. The files are plain
+safetensors (8-byte little-endian header length, JSON header padded with spaces to 8 bytes, then the
+data, tensors ordered by descending element size and then name so each starts aligned), and are read
+back by the `safetensors` library in the tests.
+
+Sources are read through short-lived `safe_open` handles: pages of a memory-mapped file that stays
+open count in the process's resident set, so keeping every file open would make peak RSS grow with
+the size of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+# safetensors dtype codes (the format's spelling) and the torch dtypes they hold
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor to write: its layout now, its data when `read()` is called."""
+
+    name: str
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.itemsize
+
+
+def ref_from_tensor(name: str, t: torch.Tensor) -> TensorRef:
+    if t.dtype not in CODES:
+        raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
+    return TensorRef(name, CODES[t.dtype], tuple(t.shape), lambda: t)
+
+
+def read_tensor(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def refs_from_files(paths: Iterable[Path]) -> Iterator[TensorRef]:
+    """Every tensor of each safetensors file, layout read from the headers only."""
+    from safetensors import safe_open
+
+    for p in paths:
+        with safe_open(str(p), framework="pt") as f:
+            layout = [(k, f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()]
+        for key, dtype, shape in layout:
+            yield TensorRef(key, dtype, shape, lambda p=p, key=key: read_tensor(p, key))
+
+
+def write_file(path: Path, refs: list[TensorRef], metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file, tensor by tensor. The caller renames it into place."""
+    order = sorted(refs, key=lambda r: (-r.itemsize, r.name))  # aligned starts, as the library lays them out
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for r in order:
+        if r.name in header:
+            raise ValueError(f"{path.name}: tensor {r.name!r} written twice")
+        header[r.name] = {"dtype": r.dtype, "shape": list(r.shape), "data_offsets": [offset, offset + r.nbytes]}
+        offset += r.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for r in order:
+            t = r.read()
+            if CODES.get(t.dtype) != r.dtype or tuple(t.shape) != r.shape:
+                raise ValueError(f"{r.name}: read {CODES.get(t.dtype)} {tuple(t.shape)}, expected {r.dtype} {r.shape}")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # [nbytes] raw little-endian
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_shards(out_dir: Path, refs: Iterable[TensorRef], max_shard_bytes: int) -> list[str]:
+    """Shards of at most `max_shard_bytes` (one tensor may exceed it), plus the index when there are several.
+
+    Shards are planned from the layouts, in the order given, then written one tensor at a time.
+    """
+    shards: list[list[TensorRef]] = [[]]
+    size = 0
+    for r in refs:
+        if shards[-1] and size + r.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(r)
+        size += r.nbytes
+    n = len(shards)
+    final = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tmp_paths = []
+    for i, shard in enumerate(shards):
+        tmp = out_dir / f".shard-{i:05d}.tmp"
+        write_file(tmp, shard)
+        tmp_paths.append(tmp)
+    for tmp, name in zip(tmp_paths, final):
+        os.replace(tmp, out_dir / name)
+    if n > 1:
+        index = {"metadata": {"total_size": sum(r.nbytes for shard in shards for r in shard)},
+                 "weight_map": {r.name: final[i] for i, shard in enumerate(shards) for r in sorted(shard, key=lambda r: r.name)}}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        final.append("model.safetensors.index.json")
+    return final

@@ -1,0 +1,140 @@
+"""The streaming safetensors writer and the lazy checkpoint reader: exact round trips, bounded memory."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from quantkit.export.shards import TensorRef, ref_from_tensor, refs_from_files, write_file, write_shards
+from quantkit.models import LazyCheckpoint, materialize
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(33, 7, generator=g),
+        "b.weight": torch.randn(5, 64, generator=g).to(torch.bfloat16),
+        "c.weight_packed": torch.randint(-2**31, 2**31 - 1, (12, 8), generator=g, dtype=torch.int32),
+        "d.codes": torch.randint(-128, 127, (3, 5), generator=g, dtype=torch.int8),
+        "e.fp8": torch.randn(4, 16, generator=g).to(torch.float8_e4m3fn),
+        "f.flag": torch.tensor([True, False, True]),
+        "g.scalar": torch.tensor(3.5, dtype=torch.float16),
+        "h.empty": torch.zeros(0, 4),
+        "i.long": torch.arange(7, dtype=torch.int64),
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_single_file_reads_back_exactly(tmp_path: Path):
+    ts = _tensors()
+    files = write_shards(tmp_path, [ref_from_tensor(k, v) for k, v in ts.items()], 1 << 30)
+    assert files == ["model.safetensors"]
+    back = load_file(str(tmp_path / "model.safetensors"))
+    assert set(back) == set(ts)
+    for k in ts:
+        assert _same(back[k], ts[k]), k
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert not list(tmp_path.glob(".*"))  # no temp file left
+
+
+def test_same_tensors_as_the_library_writes(tmp_path: Path):
+    """Whatever the header spelling, the library's own file and ours hold the same tensors at the same size."""
+    ts = _tensors()
+    save_file(ts, str(tmp_path / "lib.safetensors"))
+    write_file(tmp_path / "ours.safetensors", [ref_from_tensor(k, v) for k, v in ts.items()])
+    lib, ours = load_file(str(tmp_path / "lib.safetensors")), load_file(str(tmp_path / "ours.safetensors"))
+    assert all(_same(lib[k], ours[k]) for k in ts)
+    data = sum(t.numel() * t.element_size() for t in ts.values())
+    for name in ("lib", "ours"):
+        raw = (tmp_path / f"{name}.safetensors").read_bytes()
+        header_len = int.from_bytes(raw[:8], "little")
+        assert header_len % 8 == 0 and len(raw) == 8 + header_len + data
+
+
+def test_sharding_and_index(tmp_path: Path):
+    ts = {f"layer.{i}.weight": torch.full((256,), float(i)) for i in range(10)}  # 1 KiB each
+    files = write_shards(tmp_path, [ref_from_tensor(k, v) for k, v in ts.items()], 3 * 1024)
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) == 4 and shards[0] == "model-00001-of-00004.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 10 * 1024
+    assert set(index["weight_map"]) == set(ts)
+    for k, f in index["weight_map"].items():
+        assert torch.equal(load_file(str(tmp_path / f))[k], ts[k])
+
+
+def test_one_tensor_in_memory_at_a_time(tmp_path: Path):
+    """The writer reads each tensor when it writes it and keeps no reference: at most one is alive."""
+    alive: set[int] = set()
+    most = [0]
+
+    def reader(i: int):
+        def read() -> torch.Tensor:
+            t = torch.full((1024,), float(i))
+            alive.add(i)
+            weakref.finalize(t, alive.discard, i)
+            most[0] = max(most[0], len(alive))
+            return t
+        return read
+
+    refs = [TensorRef(f"t{i}", "F32", (1024,), reader(i)) for i in range(20)]
+    write_shards(tmp_path, refs, 1 << 30)  # one shard holding all 20
+    assert most[0] == 1
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["t7"], torch.full((1024,), 7.0))
+
+
+def test_layout_mismatch_is_an_error(tmp_path: Path):
+    ref = TensorRef("x", "F32", (4,), lambda: torch.zeros(5))
+    with pytest.raises(ValueError, match="x: read F32 \\(5,\\), expected F32 \\(4,\\)"):
+        write_file(tmp_path / "bad.safetensors", [ref])
+
+
+def test_refs_from_files_read_lazily(tmp_path: Path):
+    ts = _tensors()
+    save_file(ts, str(tmp_path / "src.safetensors"))
+    refs = {r.name: r for r in refs_from_files([tmp_path / "src.safetensors"])}
+    assert {k: (r.dtype, r.shape) for k, r in refs.items()} == \
+        {k: ({torch.float32: "F32", torch.bfloat16: "BF16", torch.int32: "I32", torch.int8: "I8",
+              torch.float8_e4m3fn: "F8_E4M3", torch.bool: "BOOL", torch.float16: "F16", torch.int64: "I64"}[v.dtype],
+             tuple(v.shape)) for k, v in ts.items()}
+    assert _same(refs["b.weight"].read(), ts["b.weight"])
+    assert refs["a.weight"].nbytes == 33 * 7 * 4
+
+
+def _mapped(path: Path) -> bool:
+    return str(path.resolve()) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to see memory maps")
+def test_lazy_checkpoint_keeps_no_file_mapped(tmp_path: Path):
+    """A file kept open stays memory-mapped and its read pages count in RSS; the reader closes each file.
+
+    (safetensors hands out tensors backed by the mapping itself, so a mapping lives as long as its
+    tensors: `materialize` copies them into the compute dtype, which lets it go.)"""
+    ts = {"x.weight": torch.randn(64, 64), "y.weight": torch.randn(8)}
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    ckpt = LazyCheckpoint(tmp_path)
+    assert ckpt.layout("x.weight") == ("F32", (64, 64))
+    got = ckpt.get_many(["x.weight", "y.weight"])
+    assert torch.equal(got["x.weight"], ts["x.weight"]) and torch.equal(ckpt.get("y.weight"), ts["y.weight"])
+    del got
+    assert not _mapped(tmp_path / "model.safetensors")
+    layer = torch.nn.Linear(64, 64, bias=False, device="meta")
+    materialize(layer, "x.", ckpt, torch.float32)  # same dtype as stored: still a private copy
+    assert torch.equal(layer.weight, ts["x.weight"]) and not _mapped(tmp_path / "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt"):  # the check can see a mapping
+        assert _mapped(tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="'z.weight' not found"):
+        ckpt.get("z.weight")
