@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,8 @@ recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights
 oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
 model.save_pretrained(out_dir, save_compressed=True)
 tok.save_pretrained(out_dir)
-print(json.dumps({"convert_s": round(time.perf_counter() - t0, 1)}))
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))  # KiB, this process only
+print(json.dumps({"convert_s": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(hwm * 1024 / 1e6)}))
 """
 
 
@@ -80,10 +80,8 @@ def main() -> None:
         if proc.returncode:
             sys.exit(f"llm-compressor failed:\n{proc.stderr[-4000:]}")
         child = json.loads(proc.stdout.strip().splitlines()[-1])
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # before the perplexity child runs
         result = {"anchor": "llm-compressor", "dtype": args.dtype, "samples": args.samples,
                   "calibration_fingerprint": calib.fingerprint[:16], "wall_s": round(wall, 1), **child,
-                  "peak_rss_mb": round(peak / 1e6),
                   "perplexity": perplexity(out)}
     print(json.dumps(result, indent=2))
 

@@ -5,8 +5,8 @@ floor and a memory-scaling run. Prints one JSON document.
     python benchmarks/convert.py --samples 32 --runs gptq-w4a16,rtn-w4a16 --floor
     python benchmarks/convert.py --scaling            # random Llama, 4 vs 16 layers, same width
 
-Each conversion runs in its own process (so peak RSS is that conversion's alone: ru_maxrss of the
-child) and perplexity is measured afterwards with transformers on calibration/heldout/technical.txt
+Each conversion runs in its own process and reports its own peak RSS (VmHWM, in the manifest; the
+child's ru_maxrss would include this parent's size at fork) and perplexity is measured afterwards with transformers on calibration/heldout/technical.txt
 (the engine has no int4 kernel on AVX2-only CPUs, and this keeps every method measured the same way).
 The floor is two forward passes of the same calibration tokens through the decoder layers, one layer
 at a time as the pipeline runs them: one to observe, one to propagate.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -38,10 +37,6 @@ RUNS = {
     "fp8": ("recipes/smollm2-fp8.yaml", []),
     "mixed-w8a8-w4a16": ("recipes/smollm2-mixed.yaml", []),
 }
-
-
-def _child_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
 def convert(name: str, out: Path, samples: int) -> dict:

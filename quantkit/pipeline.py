@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from quantkit.algorithms.gptq import HessianAccumulator, gptq_quantize
 from quantkit.algorithms.rtn import check_divisible, fake_quantize_activations, output_sqnr_db, rtn, sqnr_db
 from quantkit.export.compressed_tensors import compress_linear
-from quantkit.io import atomic_write_json, release_free_memory
+from quantkit.io import atomic_write_json, keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.models import ArchSpec, LazyCheckpoint, materialize, release
 from quantkit.recipe import Recipe, matches_pattern
 from quantkit.schemes import Scheme, get_scheme
@@ -317,6 +317,7 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plans
                    device: torch.device, quiet: bool = False, capture: dict | None = None) -> None:
     compute = torch.float32
     scale_dtype = getattr(torch, recipe.model.dtype)
+    keep_large_allocations_off_the_heap()
     layers = model.get_submodule(arch.layers)
     hidden, layer_kwargs = None, None
     if input_ids is not None:

@@ -138,3 +138,19 @@ def test_lazy_checkpoint_keeps_no_file_mapped(tmp_path: Path):
         assert _mapped(tmp_path / "model.safetensors")
     with pytest.raises(KeyError, match="'z.weight' not found"):
         ckpt.get("z.weight")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for VmHWM")
+def test_peak_rss_is_the_process_own(tmp_path: Path):
+    """A conversion started from a big parent must not report the parent's size (ru_maxrss would)."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(400 * 1024 * 1024)  # touched: resident in this (parent) process
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    out = subprocess.run([sys.executable, "-c", "from quantkit.io import peak_rss_bytes; print(peak_rss_bytes())"],
+                         capture_output=True, text=True, check=True)
+    child = int(out.stdout)
+    assert 0 < child < 200 * 1024 * 1024, child  # a bare interpreter: tens of MB, not the parent's 400+
+    del ballast
