@@ -77,14 +77,18 @@ r = load_recipe("recipes/smollm2-w4a16-gptq.yaml", [f"calibration.num_samples={s
 d = resolve_model_dir(r.model); tok = AutoTokenizer.from_pretrained(d)
 ids = build_calibration_set(r.calibration, tok).input_ids
 m = build_skeleton(d, "bfloat16"); arch = arch_for(m.config); ck = LazyCheckpoint(d)
-h, kws = capture_layer_inputs(m, arch, ck, ids, torch.float32)
+bs = r.calibration.batch_size
+h, kws = capture_layer_inputs(m, arch, ck, ids, torch.float32, bs)
 layers = m.get_submodule(arch.layers)
 t0 = time.perf_counter()
 with torch.no_grad():
     for i, layer in enumerate(layers):
         materialize(layer, f"{arch.layers}.{i}.", ck, torch.float32)
-        layer(h, **kws[i])            # observe
-        h = layer(h, **kws[i])        # propagate
+        outs = []
+        for c in h.split(bs):                       # the pipeline's chunks
+            layer(c, **kws[c.shape[0]][i])          # observe
+            outs.append(layer(c, **kws[c.shape[0]][i]))  # propagate
+        h = torch.cat(outs)
         release(layer)
 print(json.dumps({"floor_s": round(time.perf_counter() - t0, 1)}))
 """

@@ -121,6 +121,8 @@ def keep_large_allocations_off_the_heap(threshold: int = 1 << 20) -> None:
     more and more tensors land in the heap, where freed space fragments and the peak creeps up: on a
     16-layer model the per-layer peak grew by ~30 MB a layer. A fixed threshold keeps each tensor's
     memory returned to the OS the moment it is freed (measured: 16 vs 4 layers, +10 MB instead of +116 MB).
+    The price is a page fault per fresh page of each large tensor: measured on SmolLM2 GPTQ with chunks of
+    8 samples, 1 MB gave 146 s / 1064 MB, 32 MB 119 s / 1310 MB, glibc's default 127 s / 1339 MB.
     """
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import greenlet
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -117,19 +118,53 @@ def plan_layers(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> tuple[list[
 
 
 # ------------------------------------------------------------------------------------------ layer work
+class GroupInputs:
+    """What a sequential group's quantizers need from its calibration inputs, gathered chunk by chunk:
+    the Hessian when a GPTQ stage owns a member, else the first SQNR_TOKENS rows for the diagnostic."""
+
+    def __init__(self, hessian: bool):
+        self.hessian = hessian
+        self.acc: HessianAccumulator | None = None
+        self._rows: list[torch.Tensor] = []
+        self._n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        if self.hessian:
+            if self.acc is None:
+                self.acc = HessianAccumulator(x2.shape[-1], device=x2.device)
+            self.acc.add(x2)
+        elif self._n < SQNR_TOKENS:
+            self._rows.append(x2[:SQNR_TOKENS - self._n].clone())
+            self._n += self._rows[-1].shape[0]
+
+    @property
+    def H(self) -> torch.Tensor | None:
+        return self.acc.H if self.acc is not None else None
+
+    @property
+    def sample(self) -> torch.Tensor | None:
+        return torch.cat(self._rows) if self._rows else None
+
+
+def needs_hessian(members: list[Target], recipe: Recipe) -> bool:
+    return any(recipe.stages[t.stage].method == "gptq" for t in members)
+
+
 def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], recipe: Recipe,
-                   x: torch.Tensor | None, scale_dtype: torch.dtype,
+                   inputs: GroupInputs | None, scale_dtype: torch.dtype,
                    capture: dict | None = None) -> dict[str, dict]:
     """Quantize one sequential group in place (weights replaced by their dequantized values).
 
+    `inputs` holds what the group's calibration inputs taught (None: weights only, no calibration).
     Returns per-module results: compressed tensors and diagnostics.
     """
     out: dict[str, dict] = {}
-    H = None
     by_stage: dict[int, list[Target]] = {}
     for t in members:
         by_stage.setdefault(t.stage, []).append(t)
-    x2 = x.reshape(-1, x.shape[-1]).float() if x is not None else None  # [tokens, in]
+    H = inputs.H if inputs is not None else None
+    xs = inputs.sample if inputs is not None else None  # [<= SQNR_TOKENS, in], only without a Hessian
     for si, targets in by_stage.items():
         st = recipe.stages[si]
         mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
@@ -137,9 +172,7 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], re
         t0 = time.perf_counter()
         if st.method == "gptq":
             if H is None:
-                acc = HessianAccumulator(x2.shape[-1], device=x2.device)
-                acc.add(x2)
-                H = acc.H
+                raise ConvertError(f"{targets[0].name}: GPTQ needs calibration inputs, and none reached this module")
             W = torch.cat([m.weight.detach().float() for m in mods], dim=0)  # [sum(out), in]: rows independent
             res = gptq_quantize(W, H, spec, block_size=st.block_size, dampening_frac=st.dampening_frac,
                                 actorder=st.actorder, scale_dtype=scale_dtype)
@@ -163,8 +196,7 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], re
                      "weight_sqnr_db": round(sqnr_db(w, deq), 3), "seconds": round(elapsed / len(mods), 4), **extra}
             if H is not None:  # exact over every calibration token
                 stats["output_sqnr_db"] = round(output_sqnr_db(w, deq, H), 3)
-            elif x2 is not None:
-                xs = x2[:SQNR_TOKENS]
+            elif xs is not None:
                 stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ deq.t()), 3)
             tensors = compress_linear(t.name, deq, scale, zp, g_idx, t.ct_scheme, scale_dtype)
             m.weight.data = deq.to(m.weight.dtype)
@@ -174,24 +206,70 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], re
     return out
 
 
+class _Chunk(greenlet.greenlet):
+    """One calibration chunk's forward through a layer, as a coroutine (a greenlet).
+
+    It runs between `step()` (called by the scheduler) and the next `pause()` (called from a hook inside
+    the forward) or the end of the forward, then control is back with the scheduler. Coroutines rather
+    than threads: everything stays on the caller's thread, so torch's thread-local state (grad mode,
+    thread count) is the scheduler's and no thread is left behind when a layer fails.
+    """
+
+    def __init__(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict):
+        super().__init__()
+        self.layer, self.hidden, self.kwargs = layer, hidden, kwargs
+        self.output: torch.Tensor | None = None
+
+    def run(self) -> None:
+        out = self.layer(self.hidden, **self.kwargs)
+        self.output = out[0] if isinstance(out, tuple) else out
+
+    def step(self) -> None:
+        """Run this chunk until its next pause or its end; what its forward raises is raised here."""
+        if not self.dead:
+            self.switch()
+
+    def abort(self) -> None:
+        if self and not self.dead:  # started and paused: unwind its forward
+            self.throw(greenlet.GreenletExit)
+
+
+def _pause_chunk() -> None:
+    current = greenlet.getcurrent()
+    if isinstance(current, _Chunk):
+        current.parent.switch()
+
+
 def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.Tensor | None,
-              layer_kwargs: dict | None, scale_dtype: torch.dtype,
+              layer_kwargs: dict[int, dict] | None, scale_dtype: torch.dtype,
               capture: dict | None = None) -> tuple[dict[str, dict], torch.Tensor | None]:
+    """Quantize one layer; return its results and the next layer's input.
+
+    With calibration data, the batch goes through the layer in chunks of `calibration.batch_size`
+    samples (`layer_kwargs` maps a chunk's batch size to the layer's keyword arguments). Every chunk
+    stops at the input of each sequential group in turn; once all have added their inputs to the
+    group's statistics, the group is quantized and the chunks go on with the quantized weights. So one
+    forward per layer still observes, quantizes (true-sequential) and propagates, while only one
+    chunk's intermediate tensors are being computed at a time.
+    """
     results: dict[str, dict] = {}
     if hidden is None:  # weights only: no calibration forward
         for members in plan.groups:
             results.update(quantize_group(layer, plan.prefix, members, recipe, None, scale_dtype, capture))
         return results, None
 
+    pieces = [(h, layer_kwargs[h.shape[0]]) for h in hidden.split(recipe.calibration.batch_size)]  # views
     # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
-    smoothed = apply_transforms(layer, plan.prefix, plan.smoothing, recipe, hidden, layer_kwargs, scale_dtype,
+    smoothed = apply_transforms(layer, plan.prefix, plan.smoothing, recipe, pieces, scale_dtype,
                                 {t.name for g in plan.groups for t in g}, capture) if plan.smoothing else {}
+    inputs = [GroupInputs(needs_hessian(members, recipe)) for members in plan.groups]
     handles = []
-    for members, hooked in zip(plan.groups, plan.group_inputs):
+    for g, (members, hooked) in enumerate(zip(plan.groups, plan.group_inputs)):
         mod = layer.get_submodule(hooked[len(plan.prefix):])
 
-        def pre_hook(_m, args, members=members):
-            results.update(quantize_group(layer, plan.prefix, members, recipe, args[0], scale_dtype, capture))
+        def pre_hook(_m, args, g=g):
+            inputs[g].add(args[0])
+            _pause_chunk()
 
         handles.append(mod.register_forward_pre_hook(pre_hook))
         # what the engine does at run time: dynamic per-token activation quantization (W8A8, FP8)
@@ -200,13 +278,28 @@ def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.T
                 act = t.scheme.activations
                 handles.append(layer.get_submodule(t.name[len(plan.prefix):]).register_forward_pre_hook(
                     lambda _m, args, act=act: (fake_quantize_activations(args[0], act),) + tuple(args[1:])))
+    chunks = [_Chunk(layer, h, kw) for h, kw in pieces]
+    out = torch.empty_like(hidden)
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # for the chunks too: they run on this thread
     try:
-        with torch.no_grad():
-            out = layer(hidden, **layer_kwargs)
+        for g, members in enumerate(plan.groups):
+            for c in chunks:
+                c.step()  # to group g's input
+            results.update(quantize_group(layer, plan.prefix, members, recipe, inputs[g], scale_dtype, capture))
+            inputs[g] = None
+        row = 0
+        for c in chunks:
+            c.step()  # to the end of the layer
+            out[row:row + c.hidden.shape[0]] = c.output
+            row += c.hidden.shape[0]
+            c.output = None
     finally:
+        for c in chunks:
+            c.abort()
         for h in handles:
             h.remove()
-    out = out[0] if isinstance(out, tuple) else out
+        torch.set_grad_enabled(grad)
     for name, extra in smoothed.items():  # diagnostics and folded float tensors travel with the target
         results[name]["stats"]["smoothing"] = extra["smoothing"]
         results[name]["tensors"].update(extra["tensors"])
@@ -215,12 +308,16 @@ def run_layer(layer: nn.Module, plan: LayerPlan, recipe: Recipe, hidden: torch.T
 
 # ------------------------------------------------------------------------------------- layer inputs
 def capture_layer_inputs(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, input_ids: torch.Tensor,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, list[dict]]:
-    """Run the embedding (and whatever precedes the layers) once; record each layer's keyword arguments."""
+                         dtype: torch.dtype, batch_size: int) -> tuple[torch.Tensor, dict[int, list[dict]]]:
+    """Run the embedding (and whatever precedes the layers) once, in chunks of `batch_size` samples.
+
+    Returns the first layer's input for the whole batch and, for each chunk size that occurs, every
+    layer's keyword arguments (position embeddings, masks) as the model builds them for that size.
+    """
     layers = model.get_submodule(arch.layers)
     embed = model.get_submodule(arch.embed)
     materialize(embed, arch.embed + ".", ckpt, dtype)
-    kwargs_per_layer: list[dict] = [None] * len(layers)  # type: ignore[list-item]
+    kwargs_by_size: dict[int, list[dict]] = {}
     first_hidden: list[torch.Tensor] = []
 
     class Recorder(nn.Module):
@@ -232,10 +329,11 @@ def capture_layer_inputs(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint,
         def forward(self, hidden_states, *args, **kwargs):
             if args:
                 raise ConvertError("decoder layers called with positional arguments are not supported")
-            kwargs_per_layer[self.idx] = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
-            kwargs_per_layer[self.idx]["use_cache"] = False
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+            kw["use_cache"] = False
+            recorded[self.idx] = kw
             if self.idx == 0:
-                first_hidden.append(hidden_states)
+                first_hidden.append(hidden_states.to(dtype))
             if self.idx == len(layers) - 1:
                 raise _StopForward
             return hidden_states
@@ -244,15 +342,19 @@ def capture_layer_inputs(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint,
     for i in range(len(layers)):
         layers[i] = Recorder(i, originals[i])
     try:
-        with torch.no_grad():
-            model.get_submodule(arch.layers.rsplit(".", 1)[0])(input_ids=input_ids, use_cache=False)
-    except _StopForward:
-        pass
+        for ids in input_ids.split(batch_size):  # [<= batch_size, seq]
+            recorded: list[dict] = [None] * len(layers)  # type: ignore[list-item]
+            try:
+                with torch.no_grad():
+                    model.get_submodule(arch.layers.rsplit(".", 1)[0])(input_ids=ids, use_cache=False)
+            except _StopForward:
+                pass
+            kwargs_by_size.setdefault(ids.shape[0], recorded)
     finally:
         for i in range(len(layers)):
             layers[i] = originals[i]
         release(embed)
-    return first_hidden[0].to(dtype), kwargs_per_layer
+    return torch.cat(first_hidden), kwargs_by_size
 
 
 # ---------------------------------------------------------------------------------------- work folder
@@ -321,10 +423,12 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plans
     layers = model.get_submodule(arch.layers)
     hidden, layer_kwargs = None, None
     if input_ids is not None:
-        first, layer_kwargs = capture_layer_inputs(model, arch, ckpt, input_ids, compute)
+        first, by_size = capture_layer_inputs(model, arch, ckpt, input_ids, compute, recipe.calibration.batch_size)
         hidden = first if start == 0 else work.hidden(start)
+        del first
         hidden = hidden.to(device)
-        layer_kwargs = [_to_device(kw, device, compute) for kw in layer_kwargs]
+        layer_kwargs = [{size: _to_device(kws[i], device, compute) for size, kws in by_size.items()}
+                        for i in range(len(layers))]
     bar = tqdm(range(start, len(layers)), desc="layers", unit="layer", disable=quiet, initial=start,
                total=len(layers))
     for i in bar:

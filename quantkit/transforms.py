@@ -60,9 +60,11 @@ def plan_smoothing(arch, recipe, prefix: str, quantized: dict) -> list[Smoothing
 class _Capture:
     """Per-channel |x| sum and max over all tokens, and an evenly spaced sample of tokens."""
 
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-        self.abs_sum = self.abs_max = self.sample = None
+    def __init__(self, max_tokens: int, total_tokens: int):
+        # the sample's positions in the whole batch, which arrives chunk by chunk
+        self.pick = torch.linspace(0, total_tokens - 1, min(max_tokens, total_tokens)).round().long()
+        self.abs_sum = self.abs_max = None
+        self.rows: list[torch.Tensor] = []
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -70,32 +72,40 @@ class _Capture:
         a = x2.abs()
         self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
         self.abs_max = a.amax(0) if self.abs_max is None else torch.maximum(self.abs_max, a.amax(0))
+        here = self.pick[(self.pick >= self.tokens) & (self.pick < self.tokens + x2.shape[0])] - self.tokens
+        self.rows.append(x2[here].clone())
         self.tokens += x2.shape[0]
-        if self.sample is None:
-            pick = torch.linspace(0, x2.shape[0] - 1, min(self.max_tokens, x2.shape[0])).round().long()
-            self.sample = x2[pick].clone()
+
+    @property
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.rows)
 
 
-def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing], recipe, hidden: torch.Tensor,
-                     layer_kwargs: dict, scale_dtype: torch.dtype, quantized_names: set[str],
+def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing], recipe,
+                     pieces: list[tuple[torch.Tensor, dict]], scale_dtype: torch.dtype, quantized_names: set[str],
                      capture: dict | None = None) -> dict[str, dict]:
-    """Transform one float layer in place. Returns {target module: {"smoothing": stats, "tensors": {...}}}."""
+    """Transform one float layer in place. Returns {target module: {"smoothing": stats, "tensors": {...}}}.
+
+    `pieces` are the calibration chunks, each with the layer's keyword arguments for its batch size.
+    """
+    total = sum(h.shape[0] * h.shape[1] for h, _ in pieces)  # tokens: [batch, seq, hidden] chunks
     caps: dict[int, _Capture] = {}
     prev_out: dict[int, _Capture] = {}
     handles = []
     for k, sm in enumerate(smoothings):
         st = recipe.stages[sm.stage]
-        caps[k] = _Capture(st.max_tokens)
+        caps[k] = _Capture(st.max_tokens, total)
         first = layer.get_submodule(sm.targets[0].name[len(prefix):])
         handles.append(first.register_forward_pre_hook(lambda _m, args, c=caps[k]: c.add(args[0])))
         prev = layer.get_submodule(sm.prev)
         if not isinstance(prev, nn.Linear):  # a norm: its output must be exactly what the targets read
-            prev_out[k] = _Capture(st.max_tokens)
+            prev_out[k] = _Capture(st.max_tokens, total)
             handles.append(prev.register_forward_hook(lambda _m, _a, out, c=prev_out[k]: c.add(
                 out[0] if isinstance(out, tuple) else out)))
     try:
         with torch.no_grad():
-            layer(hidden, **layer_kwargs)
+            for hidden, layer_kwargs in pieces:
+                layer(hidden, **layer_kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -49,7 +49,7 @@ def transform_float_model(model_dir, calib_dir, stages):
     for i, plan in enumerate(plans):  # the float layer input is the same before and after transforms
         hidden, kwargs = seen[i]
         names = {t.name for g in plan.groups for t in g}
-        res = apply_transforms(layers[i], plan.prefix, plan.smoothing, recipe, hidden, kwargs, torch.bfloat16, names)
+        res = apply_transforms(layers[i], plan.prefix, plan.smoothing, recipe, [(hidden, kwargs)], torch.bfloat16, names)
         stats.update({k: v["smoothing"] for k, v in res.items()})
     return ref, model, stats, recipe
 

@@ -117,8 +117,9 @@ def write_recipe(path: Path, data: dict) -> Path:
 def tiny_recipe(model_dir: Path, calib_dir: Path | None, stages: list[dict], name: str = "tiny") -> dict:
     r = {"name": name, "model": {"path": str(model_dir), "dtype": "bfloat16"}, "stages": stages}
     if calib_dir is not None:
+        # 8 samples in chunks of 3, 3 and 2: every calibrated test runs the chunked forward, remainder included
         r["calibration"] = {"sources": [{"type": "text", "path": str(calib_dir / "*.txt")}],
-                            "num_samples": 8, "seq_len": 32, "seed": 0}
+                            "num_samples": 8, "seq_len": 32, "seed": 0, "batch_size": 3}
     return r
 
 
