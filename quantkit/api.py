@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from quantkit.export.compressed_tensors import quantization_config, write_config
-from quantkit.export.shards import TensorRef, refs_from_files, write_shards
+from quantkit.export.shards import refs_from_checkpoint, write_shards
 from quantkit.export.manifest import MANIFEST, SCHEMA, file_table, package_versions
 from quantkit.io import atomic_write_json, peak_rss_bytes, replace_dir, sha256_file
 from quantkit.models import LazyCheckpoint, arch_for, build_skeleton, quantkit_home, resolve_model_dir
@@ -124,9 +124,9 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
         export_dir.mkdir()
         # the float weights the compressed tensors replace, and any stored tensor the pipeline rewrote
         # (norm weights and biases a transform stage folded its scales into)
-        produced = list(refs_from_files(qat.files if qat else work.layer_files(n_layers)))
+        produced = refs_from_checkpoint(LazyCheckpoint(work.root, qat.files if qat else work.layer_files(n_layers)))
         replaced = {m + ".weight" for m in stats} | {r.name for r in produced}
-        kept = [TensorRef(k, *ckpt.layout(k), lambda k=k: ckpt.get(k)) for k in ckpt.keys() if k not in replaced]
+        kept = refs_from_checkpoint(ckpt, [k for k in ckpt.keys() if k not in replaced])
         files = write_shards(export_dir, kept + produced, recipe.export.max_shard_size_mb * 1024 * 1024)
         schemes = {f"group_{i}": scheme for i, scheme in _config_groups(plans, stats).items()}
         write_config(model_dir / "config.json", export_dir, quantization_config(schemes, unquantized))

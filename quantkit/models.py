@@ -208,13 +208,14 @@ class LazyCheckpoint:
     peak memory grow with every layer read.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, files: list[Path] | None = None):
+        """Every `*.safetensors` file of `folder`, or just `files` (in that order) when given."""
         from safetensors import safe_open
 
         self.folder = Path(folder)
         self._where: dict[str, Path] = {}
         self._layout: dict[str, tuple[str, tuple[int, ...]]] = {}  # key -> (safetensors dtype code, shape)
-        for f in sorted(self.folder.glob("*.safetensors")):
+        for f in files if files is not None else sorted(self.folder.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
                     sl = h.get_slice(k)

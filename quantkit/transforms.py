@@ -136,8 +136,9 @@ def _apply_one(layer, prefix, sm: Smoothing, recipe, cap: _Capture, prev_cap: _C
     if idx is None:
         return {"stats": {**stats, "skipped": f"{channels} channels of {sm.prev} do not map onto "
                           f"{mods[0].in_features} input columns"}, "tensors": {}}
+    x = cap.sample
     if prev_cap is not None:  # the spec says the norm feeds the targets: check it really does
-        a, b = prev_cap.sample, cap.sample
+        a, b = prev_cap.sample, x
         if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-8):
             raise ModelError(f"{prefix}{sm.prev}: the architecture spec says its output feeds "
                              f"{', '.join(t.name for t in sm.targets)}, but their input differs; fix the "
@@ -145,7 +146,6 @@ def _apply_one(layer, prefix, sm: Smoothing, recipe, cap: _Capture, prev_cap: _C
     weights = [m.weight.detach().float() for m in mods]
     specs = [t.scheme.weights for t in sm.targets]
     acts = [t.scheme.activations for t in sm.targets]
-    x = cap.sample
     if st.method == "awq":
         r = awq_search(x, cap.abs_sum / cap.tokens, weights, specs, acts, idx, channels, st.grid,
                        st.duo_scaling, scale_dtype)

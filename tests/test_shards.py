@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from quantkit.export.shards import TensorRef, ref_from_tensor, refs_from_files, write_file, write_shards
+from quantkit.export.shards import TensorRef, ref_from_tensor, refs_from_checkpoint, write_file, write_shards
 from quantkit.models import LazyCheckpoint, materialize
 
 
@@ -101,10 +101,10 @@ def test_layout_mismatch_is_an_error(tmp_path: Path):
         write_file(tmp_path / "bad.safetensors", [ref])
 
 
-def test_refs_from_files_read_lazily(tmp_path: Path):
+def test_refs_from_checkpoint_read_lazily(tmp_path: Path):
     ts = _tensors()
     save_file(ts, str(tmp_path / "src.safetensors"))
-    refs = {r.name: r for r in refs_from_files([tmp_path / "src.safetensors"])}
+    refs = {r.name: r for r in refs_from_checkpoint(LazyCheckpoint(tmp_path, [tmp_path / "src.safetensors"]))}
     assert {k: (r.dtype, r.shape) for k, r in refs.items()} == \
         {k: ({torch.float32: "F32", torch.bfloat16: "BF16", torch.int32: "I32", torch.int8: "I8",
               torch.float8_e4m3fn: "F8_E4M3", torch.bool: "BOOL", torch.float16: "F16", torch.int64: "I64"}[v.dtype],

@@ -7,9 +7,7 @@ safetensors (8-byte little-endian header length, JSON header padded with spaces 
 data, tensors ordered by descending element size and then name so each starts aligned), and are read
 back by the `safetensors` library in the tests.
 
-Sources are read through short-lived `safe_open` handles: pages of a memory-mapped file that stays
-open count in the process's resident set, so keeping every file open would make peak RSS grow with
-the size of the model.
+Sources are read through `models.LazyCheckpoint`, which opens a file only while reading from it.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
@@ -59,22 +57,10 @@ def ref_from_tensor(name: str, t: torch.Tensor) -> TensorRef:
     return TensorRef(name, CODES[t.dtype], tuple(t.shape), lambda: t)
 
 
-def read_tensor(path: Path, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(key)
-
-
-def refs_from_files(paths: Iterable[Path]) -> Iterator[TensorRef]:
-    """Every tensor of each safetensors file, layout read from the headers only."""
-    from safetensors import safe_open
-
-    for p in paths:
-        with safe_open(str(p), framework="pt") as f:
-            layout = [(k, f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()]
-        for key, dtype, shape in layout:
-            yield TensorRef(key, dtype, shape, lambda p=p, key=key: read_tensor(p, key))
+def refs_from_checkpoint(ckpt, keys: Iterable[str] | None = None) -> list[TensorRef]:
+    """TensorRefs for a `models.LazyCheckpoint`'s tensors (all, or `keys`): layouts from the headers,
+    data read when written."""
+    return [TensorRef(k, *ckpt.layout(k), lambda k=k: ckpt.get(k)) for k in (ckpt.keys() if keys is None else keys)]
 
 
 def write_file(path: Path, refs: list[TensorRef], metadata: dict[str, str] | None = None) -> None:
