@@ -16,7 +16,7 @@ import torch
 from quantkit.export.compressed_tensors import quantization_config, write_config
 from quantkit.export.shards import refs_from_checkpoint, write_shards
 from quantkit.export.manifest import MANIFEST, SCHEMA, file_table, package_versions
-from quantkit.io import atomic_write_json, peak_rss_bytes, replace_dir, sha256_file
+from quantkit.io import atomic_write_json, model_fingerprint, peak_rss_bytes, replace_dir
 from quantkit.models import LazyCheckpoint, arch_for, build_skeleton, quantkit_home, resolve_model_dir
 from quantkit.pipeline import WorkDir, plan_layers, process_layers
 from quantkit.recipe import Recipe
@@ -32,29 +32,6 @@ def default_output(recipe: Recipe) -> Path:
 
 def partial_dir(output: Path) -> Path:
     return output.parent / f".{output.name}.partial"
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over the model's weight/config files, cached by (path, size, mtime)."""
-    cache_file = quantkit_home() / "hash-cache.json"
-    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
-    parts = []
-    changed = False
-    for p in sorted(model_dir.iterdir()):
-        if not p.is_file() or not (p.suffix in (".safetensors", ".json") and p.name != "quantkit_source.json"):
-            continue
-        st = p.stat()
-        key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in cache:
-            cache[key] = sha256_file(p)
-            changed = True
-        parts.append(f"{p.name}:{cache[key]}")
-    if changed:
-        with contextlib.suppress(OSError):
-            atomic_write_json(cache_file, cache)
-    import hashlib
-
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 @contextlib.contextmanager
@@ -84,7 +61,8 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     from quantkit.data import build_calibration_set
 
     t_start = time.perf_counter()
-    output = Path(output or default_output(recipe))
+    recipe = recipe.with_absolute_paths()  # the API boundary: a no-op for recipes read by load_recipe
+    output = Path(output or default_output(recipe)).expanduser().resolve()
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
     partial = partial_dir(output)
@@ -166,6 +144,47 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     replace_dir(export_dir, output)
     shutil.rmtree(partial, ignore_errors=True)
     return output
+
+
+def inspect(folder: str | Path) -> dict:
+    """An artifact's summary from its manifest, with every file's sha256 checked (`problems` lists mismatches)."""
+    from quantkit.export.manifest import read_manifest, verify
+
+    folder = Path(folder).expanduser().resolve()
+    man = read_manifest(folder)
+    problems = verify(folder)
+    sq = [v.get("output_sqnr_db", v.get("weight_sqnr_db")) for v in man.get("layers", {}).values()]
+    return {
+        "path": str(folder), "name": man["name"], "base_model": man["base_model"]["path"],
+        "stages": man["quantization"]["stages"], "format": man["quantization"]["format"],
+        "modules_quantized": man["quantization"]["modules_quantized"],
+        "size_mb": round(man["size_bytes"] / 1e6, 2),
+        "calibration": (man["calibration"] or {}).get("fingerprint"),
+        "sqnr_db_min": min(sq) if sq else None, "sqnr_db_mean": round(sum(sq) / len(sq), 2) if sq else None,
+        "wall_time_s": man["conversion"]["wall_time_s"], "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),
+        "checksums": "ok" if not problems else "MISMATCH", "problems": problems,
+    }
+
+
+def capability(artifacts: list[str | Path] = ()) -> dict:
+    """What this machine and engine can serve, and why: the hardware line, the engine's version and, per
+    artifact folder, whether vLLM can serve it here (decided without starting an engine)."""
+    from quantkit.engine.capability import artifact_can_run
+    from quantkit.engine.vllm_server import resolve_dtype, vllm_version
+    from quantkit.hardware import hardware
+
+    hw = hardware()
+    device = "cuda" if hw["gpu"] else "cpu"
+    dtype, why = resolve_dtype("auto")
+    out = {"hardware": hw, "engine": vllm_version(), "device": device,
+           "eval_dtype": {"dtype": dtype, "reason": why}, "artifacts": {}}
+    for a in artifacts:
+        path = Path(a).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{a}: no config.json; pass an exported artifact or model folder")
+        ok, reason = artifact_can_run(path, device)
+        out["artifacts"][str(path)] = {"servable": ok, "reason": reason or "every config group has a kernel here"}
+    return out
 
 
 def _config_groups(plans, stats) -> dict[int, object]:

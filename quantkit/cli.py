@@ -5,6 +5,8 @@ Examples:
     quantkit convert recipes/smollm2-w4a16-gptq.yaml
     quantkit convert recipes/smollm2-w8a8-rtn.yaml --set calibration.num_samples=64 --output runs/w8a8-64
     quantkit inspect runs/smollm2-w8a8-rtn
+    quantkit recipes list                       # shipped recipes: convert them by name from any folder
+    quantkit capability runs/smollm2-w4a16-gptq # can vLLM serve it on this machine, and why
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ app.add_typer(recipes_app, name="recipes")
 app.add_typer(models_app, name="models")
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; errors only.")]
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -43,7 +44,7 @@ def _user_errors():
 
 @app.command()
 def convert(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    recipe: Annotated[str, typer.Argument(help="Recipe YAML file, or the name of a shipped recipe.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default: export.output_dir or runs/<name>).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")] = None,
     restart: Annotated[bool, typer.Option(help="Discard an unfinished conversion of a different recipe/model/data.")] = False,
@@ -66,25 +67,13 @@ def convert(
 def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact folder.")],
             json_out: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False) -> None:
     """Print an artifact's summary and verify every file's sha256 (exit 1 on any mismatch)."""
-    from quantkit.export.manifest import read_manifest, verify
+    from quantkit import api
 
     try:
-        man = read_manifest(folder)
+        summary = api.inspect(folder)
     except FileNotFoundError as exc:
         _fail(str(exc))
-    problems = verify(folder)
-    layers = man.get("layers", {})
-    sq = [v.get("output_sqnr_db", v.get("weight_sqnr_db")) for v in layers.values()]
-    summary = {
-        "name": man["name"], "base_model": man["base_model"]["path"],
-        "stages": man["quantization"]["stages"], "format": man["quantization"]["format"],
-        "modules_quantized": man["quantization"]["modules_quantized"],
-        "size_mb": round(man["size_bytes"] / 1e6, 2),
-        "calibration": (man["calibration"] or {}).get("fingerprint"),
-        "sqnr_db_min": min(sq) if sq else None, "sqnr_db_mean": round(sum(sq) / len(sq), 2) if sq else None,
-        "wall_time_s": man["conversion"]["wall_time_s"], "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),
-        "checksums": "ok" if not problems else "MISMATCH",
-    }
+    problems = summary.pop("problems")
     if json_out:
         typer.echo(json.dumps({**summary, "problems": problems}, indent=2))
     else:
@@ -95,8 +84,33 @@ def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact fo
     raise typer.Exit(1 if problems else 0)
 
 
+@app.command()
+def capability(artifacts: Annotated[Optional[list[Path]], typer.Argument(help="Artifact folders to check.")] = None,
+               json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """What this machine and engine can serve, and why (exit 1 if any ARTIFACT cannot be served here).
+
+    Decided from the CPU flags and the export's quantization config, without starting an engine.
+    """
+    from quantkit import api
+
+    try:
+        cap = api.capability(artifacts or [])
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    if json_out:
+        typer.echo(json.dumps(cap, indent=2))
+    else:
+        hw = cap["hardware"]
+        typer.echo(f"cpu: {hw['cpu']} ({hw['cpu_count']} cores; {hw['cpu_kind']}: {' '.join(hw['cpu_flags']) or 'no key flags'})")
+        typer.echo(f"gpu: {hw['gpu'] or 'none'}   engine: {cap['engine'] or 'vLLM not installed'}")
+        typer.echo(f"eval dtype: {cap['eval_dtype']['dtype']} ({cap['eval_dtype']['reason']})")
+        for path, a in cap["artifacts"].items():
+            typer.echo(f"{path}: {'servable' if a['servable'] else 'NOT servable'}: {a['reason']}")
+    raise typer.Exit(0 if all(a["servable"] for a in cap["artifacts"].values()) else 1)
+
+
 @recipes_app.command("validate")
-def recipes_validate(files: Annotated[list[Path], typer.Argument(help="Recipe files.")],
+def recipes_validate(files: Annotated[list[str], typer.Argument(help="Recipe files or shipped recipe names.")],
                      set_: Annotated[Optional[list[str]], typer.Option("--set")] = None) -> None:
     """Validate recipes without loading any weights (exit 2 on the first invalid one)."""
     from quantkit.recipe import RecipeError, load_recipe
@@ -113,13 +127,28 @@ def recipes_validate(files: Annotated[list[Path], typer.Argument(help="Recipe fi
 
 
 @recipes_app.command("list")
-def recipes_list(folder: Annotated[Path, typer.Option(help="Where to look.")] = RECIPES_DIR) -> None:
-    """List the shipped recipes with their one-line description."""
+def recipes_list(folder: Annotated[Optional[Path], typer.Option(help="Where to look (default: the shipped recipes).")] = None) -> None:
+    """List recipes with their one-line description (each shipped one can be named instead of a path)."""
     import yaml
 
-    for f in sorted(folder.glob("*.yaml")):
+    from quantkit.resources import recipe_files
+
+    files = sorted(folder.glob("*.yaml")) if folder else recipe_files()
+    for f in files:
         data = yaml.safe_load(f.read_text()) or {}
-        typer.echo(f"{f.name:<36} {data.get('description', '')}")
+        typer.echo(f"{f.stem:<32} {data.get('description', '')}")
+    if not folder and files:
+        typer.echo(f"(in {files[0].parent}; use a name or a path, e.g. quantkit convert {files[0].stem})")
+
+
+@recipes_app.command("corpora")
+def recipes_corpora() -> None:
+    """List the builtin calibration corpora a recipe can name: `{type: builtin, name: NAME}`."""
+    from quantkit.resources import BUILTIN_CORPORA, shipped
+
+    for name, c in BUILTIN_CORPORA.items():
+        typer.echo(f"{name:<10} {c.reader:<6} {c.about}")
+    typer.echo(f"(files under {shipped('calibration', 'train')})")
 
 
 @models_app.command("fetch")

@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         served_model: Annotated[Optional[str], typer.Option("--served-model", help="Model name on the external server (default: its first).")] = None,
         no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Measure the candidate only (no deltas, no divergence).")] = False,
         overwrite: Annotated[bool, typer.Option(help="Replace an existing report folder.")] = False,
+        fresh_baseline: Annotated[bool, typer.Option("--fresh-baseline", help="Measure the baseline anew instead of reusing a cached measurement of the same model, suite, engine and machine.")] = False,
     ) -> None:
         """Load baseline and candidate into vLLM (one at a time) and measure quality, memory and speed on the same work."""
         from quantkit.engine import EngineError
@@ -42,7 +43,7 @@ def register(app: typer.Typer) -> None:
         try:
             out = run_eval(artifact, baseline, suite, output, candidate_url=candidate_url, baseline_url=baseline_url,
                            served_model=served_model, skip_baseline=no_baseline, overwrite=overwrite,
-                           progress=lambda msg: typer.echo(msg, err=True))
+                           fresh_baseline=fresh_baseline, progress=lambda msg: typer.echo(msg, err=True))
         except KeyboardInterrupt:
             typer.echo("interrupted: engines stopped; figures of models already finished are in the output's raw/ folder", err=True)
             raise typer.Exit(130) from None

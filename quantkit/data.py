@@ -86,6 +86,7 @@ def _column(table_like, field: str, where: str, what: str) -> list:
 
 def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
     """All documents of one source as strings (chat records rendered through the chat template)."""
+    src = src.reader()  # a builtin corpus reads as the text/jsonl/chat source of its shipped files
     if src.type == "text":
         docs = []
         for p in _files(src, where):
@@ -168,8 +169,8 @@ def build_calibration_set(spec: CalibrationSpec, tokenizer, where: str = "calibr
         docs = read_documents(src, w, tokenizer)
         wins = _windows(docs, tokenizer, spec.seq_len, rng)
         per_source.append(wins)
-        info.append({"type": src.type, "path": src.path, "documents": len(docs), "windows": len(wins),
-                     "weight": src.weight})
+        info.append({"type": src.type, "path": src.reader().path, **({"name": src.name} if src.name else {}),
+                     "documents": len(docs), "windows": len(wins), "weight": src.weight})
 
     total_w = sum(s.weight for s in spec.sources)
     want = [int(round(spec.num_samples * s.weight / total_w)) for s in spec.sources]

@@ -62,8 +62,8 @@ def default_report_path(artifact: str | Path) -> Path:
 
 
 def resolve_report_path(path: str | Path) -> Path:
-    """Accept a report.json, an eval output folder, or an artifact folder."""
-    p = Path(path)
+    """Accept a report.json, an eval output folder, or an artifact folder; returns an absolute path."""
+    p = Path(path).expanduser().resolve()
     if p.is_dir():
         for cand in (p / REPORT_FILE, default_report_path(p)):
             if cand.is_file():

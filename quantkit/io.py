@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 def quantkit_home() -> Path:
     """Where quantkit keeps demo models, the embedded registry and caches (QUANTKIT_HOME)."""
-    return Path(os.environ.get("QUANTKIT_HOME", Path.home() / ".cache" / "quantkit"))
+    return Path(os.environ.get("QUANTKIT_HOME") or Path.home() / ".cache" / "quantkit").expanduser().resolve()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -138,3 +138,24 @@ def release_free_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over the model's weight/config files, cached by (path, size, mtime)."""
+    cache_file = quantkit_home() / "hash-cache.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    parts = []
+    changed = False
+    for p in sorted(model_dir.iterdir()):
+        if not p.is_file() or not (p.suffix in (".safetensors", ".json") and p.name != "quantkit_source.json"):
+            continue
+        st = p.stat()
+        key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in cache:
+            cache[key] = sha256_file(p)
+            changed = True
+        parts.append(f"{p.name}:{cache[key]}")
+    if changed:
+        with contextlib.suppress(OSError):
+            atomic_write_json(cache_file, cache)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()

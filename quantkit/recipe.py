@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES
 
 
@@ -36,12 +37,40 @@ class ModelSpec(_Strict):
 
 
 # -------------------------------------------------------------------------------------- calibration
+LOCAL_SOURCES = ("text", "jsonl", "parquet", "disk", "chat")  # source types whose `path` is on this machine
 class DataSource(_Strict):
-    type: Literal["text", "jsonl", "parquet", "disk", "hub", "chat"]
-    path: str = Field(description="file, glob, folder, or hub dataset name (type: hub)")
+    type: Literal["text", "jsonl", "parquet", "disk", "hub", "chat", "builtin"]
+    path: str | None = Field(None, description="file, glob, folder, or hub dataset name (type: hub)")
+    name: str | None = Field(None, description="type: builtin: a part of quantkit's shipped calibration corpus "
+                                               f"({', '.join(BUILTIN_CORPORA)})")
     field: str = "text"  # jsonl / parquet / disk / hub: the text column; chat: the messages column
     split: str = "train"  # disk / hub
     weight: float = Field(1.0, gt=0, description="share of the packed tokens drawn from this source")
+
+    @model_validator(mode="after")
+    def _path_or_name(self) -> "DataSource":
+        if self.type == "builtin":
+            if self.name not in BUILTIN_CORPORA:
+                raise ValueError(f"name: {self.name!r} is not a builtin corpus (known: {', '.join(BUILTIN_CORPORA)}); "
+                                 "`quantkit recipes corpora` lists them")
+            if self.path is not None:
+                raise ValueError("path: a builtin source is chosen by `name`, not `path`; remove path")
+        elif self.path is None:
+            raise ValueError(f"path: required for type {self.type!r} (a file, glob or folder)")
+        elif self.name is not None:
+            raise ValueError(f"name: only type builtin takes a name; type {self.type!r} reads `path`")
+        return self
+
+    def reader(self) -> "DataSource":
+        """The source to read: a builtin corpus becomes the text/jsonl/chat source of its shipped files."""
+        if self.type != "builtin":
+            return self
+        c = BUILTIN_CORPORA[self.name]
+        return DataSource(type=c.reader, path=corpus_glob(self.name), field=c.field, weight=self.weight)
+
+    @property
+    def label(self) -> str:
+        return f"builtin:{self.name}" if self.type == "builtin" else str(self.path)
 
 
 class CalibrationSpec(_Strict):
@@ -366,6 +395,31 @@ class Recipe(_Strict):
             raise ValueError(f"stages[{qat[0]}].warmup_steps: {st.warmup_steps} must be below steps ({st.steps})")
         return self
 
+    def with_absolute_paths(self, base: Path | None = None) -> "Recipe":
+        """A copy whose local paths are absolute, relative ones taken against `base` (default: the working
+        directory). Called once where a recipe enters (load_recipe, api.convert): nothing downstream,
+        subprocesses and the manifest included, ever sees a path that depends on the working directory.
+        A model.path that names no local file (a demo name, a hub id) is left as written."""
+        base = Path(base or Path.cwd()).resolve()
+
+        def absolute(p: str) -> str:
+            q = Path(p).expanduser()
+            return p if q.is_absolute() else str(base / q)
+
+        mp = Path(self.model.path).expanduser()
+        model = self.model
+        if not mp.is_absolute() and (mp.exists() or mp.suffix == ".gguf"):
+            model = model.model_copy(update={"path": str((base / mp).resolve())})
+        calib = self.calibration
+        if calib is not None:
+            srcs = [s.model_copy(update={"path": absolute(s.path)}) if s.type in LOCAL_SOURCES else s
+                    for s in calib.sources]
+            calib = calib.model_copy(update={"sources": srcs})
+        export = self.export
+        if export.output_dir:
+            export = export.model_copy(update={"output_dir": absolute(export.output_dir)})
+        return self.model_copy(update={"model": model, "calibration": calib, "export": export})
+
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
@@ -488,10 +542,22 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         raise RecipeError(format_errors(exc, source)) from None
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"{path}: no such recipe file (try `quantkit recipes list`)")
+def find_recipe(path: str | Path) -> Path:
+    """A recipe file as given, else a shipped recipe by name (`smollm2-w8a8-rtn`); absolute."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p.resolve()
+    named = shipped_recipe(str(path))
+    if named is not None:
+        return named
+    raise RecipeError(f"{path}: no such recipe file, and not the name of a shipped recipe "
+                      "(`quantkit recipes list` shows them)")
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, base: Path | None = None) -> Recipe:
+    """Read, override and validate a recipe; its relative paths become absolute against `base` (default: the
+    working directory, where the user typed them)."""
+    path = find_recipe(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -500,4 +566,4 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         for ov in overrides or []:
             apply_override(data, ov)
     source = str(path) + (" (with --set overrides)" if overrides else "")
-    return parse_recipe(data, source)
+    return parse_recipe(data, source).with_absolute_paths(base)

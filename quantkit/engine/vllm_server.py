@@ -72,18 +72,13 @@ def resolve_dtype(dtype: str) -> tuple[str, str]:
     (measured here: 512-token prefill 22 s in bf16 vs 7 s in float32 on a 2-core AVX2 CPU)."""
     if dtype != "auto":
         return dtype, "set in the suite"
-    try:
-        import torch
+    from quantkit import hardware
 
-        if torch.cuda.is_available():
-            return "auto", "the checkpoint's dtype (GPU)"
-    except ImportError:
-        pass
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
+    if hardware.cuda_device():
+        return "auto", "the checkpoint's dtype (GPU)"
+    if not hardware.cpu_flags():
         return "auto", "the checkpoint's dtype (CPU flags unknown)"
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
+    if hardware.native_bf16():
         return "auto", "the checkpoint's dtype (CPU has native bf16)"
     return "float32", "float32: this CPU has no native bf16 (avx512_bf16/amx_bf16), bf16 matmuls are far slower"
 
@@ -96,10 +91,11 @@ class VLLMServer:
     def __init__(self, model_dir: Path, run_dir: Path, served_name: str, *, tokenizer_dir: Path | None = None,
                  engine_args: dict[str, Any] | None = None, dtype: str = "auto", max_model_len: int = 2048, kv_cache_gib: int = 1,
                  ready_timeout_s: float = 600.0, monitor_interval_s: float = 0.5) -> None:
-        self.model_dir = Path(model_dir)
-        self.run_dir = Path(run_dir)
+        # absolute: the server runs with cwd=run_dir, and vLLM reads a relative path it cannot find as a hub id
+        self.model_dir = Path(model_dir).expanduser().resolve()
+        self.run_dir = Path(run_dir).expanduser().resolve()
         self.served_name = served_name
-        self.tokenizer_dir = Path(tokenizer_dir or model_dir)
+        self.tokenizer_dir = Path(tokenizer_dir or model_dir).expanduser().resolve()
         self.engine_args = dict(engine_args or {})
         self.dtype, self.dtype_reason = resolve_dtype(dtype)
         self.max_model_len = max_model_len
@@ -208,12 +204,9 @@ class VLLMServer:
 
 
 def _device() -> str:
-    try:
-        import torch
+    from quantkit import hardware
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
+    return "cuda" if hardware.cuda_device() else "cpu"
 
 
 def _raise_interrupt(signum, frame) -> None:

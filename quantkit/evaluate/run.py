@@ -15,7 +15,6 @@ caches live in cache/ during the run and are removed at the end (scratch, not ev
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import time
 from pathlib import Path
@@ -26,41 +25,18 @@ import httpx
 from quantkit.engine import ENGINES, EngineError
 from quantkit.engine.client import ServerError, prompt_logprobs
 from quantkit.engine.prom import kv_capacity_tokens
+from quantkit.evaluate import baseline_cache as BC
 from quantkit.evaluate import quality as Q
 from quantkit.evaluate.memory import memory_figures
 from quantkit.evaluate.speed import build_workload, run_speed
 from quantkit.evaluate.suite import load_suite, resolve_file
 from quantkit.evaluate.tasks import TaskError, run_tasks
+from quantkit.hardware import hardware
 from quantkit.recipe import EvalSpec
 
 
 def default_output(artifact: Path) -> Path:
     return Path(artifact) / "eval"
-
-
-def hardware() -> dict:
-    import os
-
-    import psutil
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-           "platform": platform.platform(), "gpu": None}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            out["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return out
 
 
 def _write_json(path: Path, data) -> None:
@@ -80,7 +56,7 @@ class _Side:
 def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | Path | None = None,
              output: Path | None = None, *, candidate_url: str | None = None, baseline_url: str | None = None,
              served_model: str | None = None, skip_baseline: bool = False, overwrite: bool = False,
-             progress: Callable[[str], None] = print) -> Path:
+             fresh_baseline: bool = False, progress: Callable[[str], None] = print) -> Path:
     """Evaluate an artifact against its baseline; returns the report folder (see the module docstring)."""
     from transformers import AutoTokenizer
 
@@ -88,6 +64,9 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
     from quantkit.report import write_report
 
     t_start = time.perf_counter()
+    # the API boundary: every path below (engine command, report, raw files) is absolute
+    artifact, baseline, output = (Path(p).expanduser().resolve() if p is not None else None
+                                  for p in (artifact, baseline, output))
     manifest = read_manifest(artifact) if artifact is not None else None
     spec: EvalSpec = load_suite(suite, manifest)
     if baseline is None and manifest is not None and not skip_baseline and baseline_url is None:
@@ -97,7 +76,7 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
     if artifact is None and candidate_url is None:
         raise ValueError("give an artifact folder, or --candidate-url for an already-running server")
     name = manifest["name"] if manifest else "external"
-    output = Path(output) if output else (default_output(artifact) if artifact else Path("runs") / f"{name}-eval")
+    output = output or (default_output(artifact) if artifact else Path("runs").resolve() / f"{name}-eval")
     if output.exists() and any(output.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite or choose --output")
@@ -121,9 +100,20 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
         sides.append(_Side("baseline", Path(baseline) if baseline else None, baseline_url))
     sides.append(_Side("candidate", Path(artifact) if artifact else None, candidate_url))
     base_quality = None
+    reused = None
     for side in sides:
-        progress(f"[{side.role}] starting engine for {side.url or side.model_dir}")
-        _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress)
+        cache = _baseline_cache_key(side, spec, ppl_files) if side.role == "baseline" and not side.url else None
+        entry = BC.lookup(cache[0]) if cache and not fresh_baseline else None
+        if entry is not None:
+            side.data, side.quality, meta = BC.load(entry, output)
+            reused = {"from": meta["created"], "key": meta["key"], "entry": str(entry),
+                      "source_eval": meta.get("source_eval")}
+            progress(f"[baseline] reusing the measurement of {meta['created']} ({entry}); --fresh-baseline measures anew")
+        else:
+            progress(f"[{side.role}] starting engine for {side.url or side.model_dir}")
+            _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress)
+            if cache is not None and not any("error" in (side.data.get(k) or {}) for k in ("quality", "tasks")):
+                BC.store(cache[0], cache[1], side.data, side.quality, output)
         if side.role == "baseline":
             base_quality = side.quality
         _write_json(output / "raw" / f"{side.role}.json", side.data)
@@ -142,10 +132,10 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
         _write_json(output / "raw" / f"{vs.role}.json", vs.data)
         variants.append(vs.data)
 
-    context = {"artifact": {"path": str(Path(artifact).resolve()) if artifact else None, "name": name,
+    context = {"artifact": {"path": str(artifact) if artifact else None, "name": name,
                             "quantization": (manifest or {}).get("quantization"),
                             "size_bytes": (manifest or {}).get("size_bytes")},
-               "baseline": {"path": str(Path(baseline).resolve()) if baseline else None, "url": baseline_url},
+               "baseline": {"path": str(baseline) if baseline else None, "url": baseline_url, "reused": reused},
                "suite": spec.model_dump(mode="json"), "hardware": hardware(), "wall_s": time.perf_counter() - t_start,
                "workload_items": [{"prompt_tokens": len(i.prompt_ids), "output_tokens": i.output_tokens} for i in items]}
     by_role = {s.role: s.data for s in sides}
@@ -153,6 +143,17 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
     shutil.rmtree(output / "cache", ignore_errors=True)
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
     return output
+
+
+def _baseline_cache_key(side: _Side, spec: EvalSpec, ppl_files: list[Path]) -> tuple[str, dict]:
+    """(key, parts) of the baseline cache for a locally served baseline (see quantkit.evaluate.baseline_cache)."""
+    from quantkit.engine.vllm_server import resolve_dtype, vllm_version
+    from quantkit.resources import shipped
+
+    task_files = [f for sub in ("tasks", "data") for f in sorted(shipped("evals", sub).glob("*")) if f.is_file()]
+    parts = BC.key_parts(side.model_dir, spec.model_dump(mode="json"), ppl_files + task_files, "vllm",
+                         vllm_version(), resolve_dtype(spec.dtype)[0], hardware())
+    return BC.make_key(parts), parts
 
 
 def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path, items, warmup,

@@ -6,7 +6,8 @@ fields. Resolution order for `quantkit eval ARTIFACT [--suite S]`:
    recipe's section entirely (no field merging: what you read in the file is what runs);
 2. otherwise the `eval:` section of the recipe recorded in the artifact's manifest;
 3. otherwise `EvalSpec()` defaults, which equal evals/suites/default.yaml (a unit test keeps them equal).
-Relative perplexity files resolve against the working directory first, then the repository root.
+Suites and perplexity files come from quantkit's shipped data when they are not files in the working
+directory (quantkit.resources), so `--suite default` and the default perplexity texts work from any folder.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import yaml
 from pydantic import ValidationError
 
 from quantkit.recipe import EvalSpec, RecipeError, format_errors
+from quantkit.resources import find_file, shipped
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SUITES_DIR = REPO_ROOT / "evals" / "suites"
+
+def suites_dir() -> Path:
+    return shipped("evals", "suites")
 
 
 def list_suites() -> list[str]:
-    return sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in suites_dir().glob("*.yaml"))
 
 
 def parse_suite(data: object, source: str, label: str | None = None) -> EvalSpec:
@@ -42,12 +45,12 @@ def parse_suite(data: object, source: str, label: str | None = None) -> EvalSpec
 def load_suite(suite: str | Path | None, manifest: dict | None = None) -> EvalSpec:
     """The EvalSpec to run (see the module docstring for the order)."""
     if suite is not None:
-        path = Path(suite)
+        path = Path(suite).expanduser()
         if not path.is_file():
-            path = SUITES_DIR / f"{suite}.yaml"
+            path = suites_dir() / f"{suite}.yaml"
             if not path.is_file():
                 raise RecipeError(f"suite {suite!r}: neither a file nor a known suite "
-                                  f"(known: {', '.join(list_suites()) or 'none'} in {SUITES_DIR})")
+                                  f"(known: {', '.join(list_suites()) or 'none'} in {suites_dir()})")
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
@@ -60,9 +63,8 @@ def load_suite(suite: str | Path | None, manifest: dict | None = None) -> EvalSp
 
 
 def resolve_file(name: str) -> Path:
-    p = Path(name)
-    for cand in (p, REPO_ROOT / p):
-        if cand.is_file():
-            return cand.resolve()
-    raise FileNotFoundError(f"perplexity file {name!r} not found (looked in {Path.cwd()} and {REPO_ROOT}); "
-                            "fix eval.perplexity_files in the suite")
+    """A suite's perplexity file, absolute (the working directory first, then the shipped data)."""
+    try:
+        return find_file(name)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"perplexity file {exc}; fix eval.perplexity_files in the suite") from None

@@ -4,9 +4,10 @@ lm-eval's `vllm` backend asks for the `vllm` distribution and fails with `vllm-c
 completions backend works against the server for both generation and multiple-choice (log-likelihood
 via `echo` + `logprobs`) tasks. It needs a local tokenizer folder to split context and continuation.
 
-Task YAMLs in `evals/tasks` name their data relative to the repository root (`evals/data/X.jsonl`);
-`datasets` would resolve that against the working directory, so they are rendered into the run
-folder with absolute paths first (the same rewrite as `evals/tools/render_tasks.py`).
+Task YAMLs in `evals/tasks` (shipped with quantkit, see quantkit.resources) name their data relative to
+the repository root (`evals/data/X.jsonl`); `datasets` would resolve that against the working
+directory, so they are rendered into the run folder with absolute paths first (the same rewrite as
+`evals/tools/render_tasks.py`).
 
 Per task the primary metric is `acc` for multiple-choice tasks and `exact_match` (whatever filter)
 for generation tasks; per-item successes (metric == 1) feed the cost per successful task.
@@ -19,7 +20,6 @@ import logging
 import time
 from pathlib import Path
 
-EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
 PRIMARY = ("acc", "exact_match", "acc_norm", "f1", "bleu")
 
 
@@ -27,11 +27,14 @@ class TaskError(RuntimeError):
     """lm-eval could not run the tasks; the message says what to check."""
 
 
-def render_tasks(out_dir: Path, evals_dir: Path = EVALS_DIR) -> Path:
-    """Copy evals/tasks/*.yaml into `out_dir` with `test: evals/data/X` made absolute."""
+def render_tasks(out_dir: Path, evals_dir: Path | None = None) -> Path:
+    """Copy evals/tasks/*.yaml (the shipped ones by default) into `out_dir` with `test: evals/data/X` made absolute."""
+    from quantkit.resources import shipped
+
+    evals_dir = evals_dir or shipped("evals")
     src_dir = evals_dir / "tasks"
     if not src_dir.is_dir():
-        raise TaskError(f"{src_dir}: no task folder; run from a quantkit checkout or set the suite's tasks")
+        raise TaskError(f"{src_dir}: no task folder; the quantkit installation is incomplete (reinstall it)")
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in sorted(src_dir.glob("*.yaml")):
         lines = []

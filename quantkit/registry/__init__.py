@@ -60,6 +60,8 @@ def _client(registry_uri: str | None, client: RegistryClient | None) -> Registry
 def publish(artifact: str | Path, registry_uri: str | None = None, name: str | None = None,
             report: str | Path | None = None, client: RegistryClient | None = None) -> VersionInfo:
     """Publish a gated, checksum-verified artifact as a new version; returns it. Refusals raise RegistryError."""
+    artifact = Path(artifact).expanduser().resolve()  # the API boundary: the registry records absolute sources
+    report = Path(report).expanduser().resolve() if report is not None else None
     try:
         pub = (read_manifest(Path(artifact)).get("recipe") or {}).get("publish") or {}
     except FileNotFoundError as exc:
@@ -110,7 +112,7 @@ def pull(name: str, version_or_alias: str, dest: str | Path, registry_uri: str |
     """Download a version into `dest` and verify every sha256; a failed check leaves nothing at `dest`."""
     reg = _client(registry_uri, client)
     info = reg.show(name, str(version_or_alias))
-    dest = Path(dest)
+    dest = Path(dest).expanduser().resolve()
     with atomic_dir(dest, overwrite=overwrite) as tmp:
         reg.download(info, tmp)
         problems = verify_pulled(tmp, info)

@@ -51,9 +51,9 @@ def resolve_uri(uri: str | None) -> tuple[str, str | None]:
         root.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri()
     if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
+        db = Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
         db.parent.mkdir(parents=True, exist_ok=True)
-        return uri, (db.parent / "artifacts").resolve().as_uri()
+        return f"sqlite:///{db}", (db.parent / "artifacts").as_uri()
     if uri.startswith(("http://", "https://")):
         return uri.rstrip("/"), None
     raise RegistryError(f"registry {uri!r}: not a known registry URI (use http(s)://host:port for an MLflow "
@@ -65,7 +65,7 @@ class MlflowRegistry(RegistryClient):
         from mlflow import MlflowClient
 
         self.uri, self.artifact_root = resolve_uri(uri)
-        self.explicit_uri = uri
+        self.explicit_uri = self.uri if uri else None  # absolute, as the card and tags record it
         self.client = client if client is not None else MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
 
     # ------------------------------------------------------------------------------------ helpers
