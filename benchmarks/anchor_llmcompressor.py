@@ -80,7 +80,9 @@ def main() -> None:
         if proc.returncode:
             sys.exit(f"llm-compressor failed:\n{proc.stderr[-4000:]}")
         child = json.loads(proc.stdout.strip().splitlines()[-1])
-        result = {"anchor": "llm-compressor", "dtype": args.dtype, "samples": args.samples,
+        from quantkit.hardware import hardware
+
+        result = {"anchor": "llm-compressor", "hardware": hardware(), "dtype": args.dtype, "samples": args.samples,
                   "calibration_fingerprint": calib.fingerprint[:16], "wall_s": round(wall, 1), **child,
                   "perplexity": perplexity(out)}
     print(json.dumps(result, indent=2))

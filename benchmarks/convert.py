@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -131,7 +130,9 @@ def main() -> None:
     ap.add_argument("--scaling", action="store_true", help="only the 4 vs 16 layer memory-scaling run")
     ap.add_argument("--no-perplexity", action="store_true")
     args = ap.parse_args()
-    result: dict = {"machine": {"cpus": os.cpu_count()}, "samples": args.samples}
+    from quantkit.hardware import hardware
+
+    result: dict = {"hardware": hardware(), "samples": args.samples}
     with tempfile.TemporaryDirectory(prefix="qk-bench-") as td:
         tmp = Path(td)
         if args.scaling:

@@ -99,6 +99,9 @@ def main() -> None:
         res["recovered_share_of_gptq_gap"] = round((res["ppl_gptq"] - res["ppl_qat"]) /
                                                    (res["ppl_gptq"] - res["ppl_float"]), 4)
     res["loss_curve"] = str(qat_dir / "qat_loss.png")
+    from quantkit.hardware import hardware
+
+    res["hardware"] = hardware()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
 
 

@@ -39,16 +39,37 @@ def w8a8(tmp_path_factory) -> Path:
     return api.convert(recipe, tmp_path_factory.mktemp("art") / "w8a8", quiet=True)
 
 
+def _eval_cli(cwd: Path, *args: str) -> None:
+    """`quantkit eval ARGS` through the CLI, run from `cwd` (the way a user types it, relative paths)."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        res = CliRunner().invoke(app, ["eval", *args], catch_exceptions=False)
+    finally:
+        os.chdir(old)
+    assert res.exit_code == 0, res.output
+
+
 @pytest.fixture(scope="module")
 def report_dir(w8a8) -> Path:
-    from quantkit.evaluate import run_eval
-
-    return run_eval(w8a8, suite="smoke", progress=lambda m: None)
+    # from the artifact's parent folder, not the repository root, with a relative path: the engine must
+    # still be handed an absolute --model (it runs with cwd=<eval folder>)
+    assert w8a8.parent != REPO
+    _eval_cli(w8a8.parent, w8a8.name, "--suite", "smoke", "--fresh-baseline")
+    return w8a8 / "eval"
 
 
 def test_report_contract_and_content(report_dir, w8a8):
     r = json.loads((report_dir / "report.json").read_text())
-    assert report_dir == w8a8 / "eval"
+    assert (w8a8 / "eval" / "report.json").is_file()  # the default output, where `quantkit gate ARTIFACT` looks
+    assert r["artifact"]["path"] == str(w8a8) and r["baseline"]["path"] == str(_demo_dir().resolve())
+    from quantkit.hardware import key_flags
+
+    assert r["hardware"]["cpu_flags"] == key_flags()  # the flags that decide kernels and dtype are on record
     assert r["schema"] == "quantkit.report/1"
     assert r["artifact"]["name"] == "smollm2-w8a8-rtn"
     assert r["engine"]["name"] == "vllm" and "0.32" in (r["engine"]["version"] or "")
@@ -96,6 +117,25 @@ def test_report_files_and_clean_shutdown(report_dir):
         pid = raw["engine"]["pid"]  # the engine's process group is gone (clean shutdown)
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not (report_dir / "cache").exists()
+
+
+def test_second_eval_reuses_the_baseline(report_dir, w8a8, tmp_path):
+    """The same model, suite, engine and machine: the baseline is not measured again, and says so."""
+    first = json.loads((report_dir / "report.json").read_text())
+    assert first["baseline"]["reused"] is None
+    _eval_cli(w8a8.parent, w8a8.name, "--suite", "smoke", "--output", str(tmp_path / "again"))
+    again = json.loads((tmp_path / "again" / "report.json").read_text())
+    reused = again["baseline"]["reused"]
+    assert reused is not None and reused["source_eval"] == str(report_dir)
+    assert reused["from"] <= again["created"]
+    for name, m in first["metrics"].items():  # every baseline figure is the stored one
+        assert again["metrics"][name]["baseline"] == m["baseline"], name
+    # the candidate was measured again: same quality numerics, its own engine run
+    assert again["metrics"]["quality.perplexity"]["candidate"] == pytest.approx(
+        first["metrics"]["quality.perplexity"]["candidate"], rel=0.01)
+    assert again["details"]["candidate"]["engine"]["pid"] != first["details"]["candidate"]["engine"]["pid"]
+    assert "reused" in (tmp_path / "again" / "report.md").read_text()
+    assert (tmp_path / "again" / "logs" / "vllm-baseline.log").is_file()
 
 
 def test_missing_kernel_is_explained(tmp_path):

@@ -60,10 +60,18 @@ _DELETE = object()
     (_with(stages__0__targets=["re:(unclosed"]), "stages[0].targets: 're:(unclosed' is not a valid regular expression"),
     (_with(stages=[{"method": "gptq", "scheme": "W4A16"}]), "stages[0] (gptq) needs calibration data"),
     (_with(calibration={"sources": [{"type": "csv", "path": "a"}]}),
-     "calibration.sources[0].type: 'csv' is not allowed ('text', 'jsonl', 'parquet', 'disk', 'hub' or 'chat')"),
+     "calibration.sources[0].type: 'csv' is not allowed ('text', 'jsonl', 'parquet', 'disk', 'hub', 'chat' or 'builtin')"),
     (_with(calibration={"sources": [{"type": "text", "path": "a"}], "num_samples": 0}),
      "calibration.num_samples: 0: Input should be greater than or equal to 1"),
     (_with(gates=[{"metric": "quality.perplexity", "op": "=<", "threshold": 1.0}]), "gates[0].op: '=<' is not allowed"),
+    (_with(calibration={"sources": [{"type": "builtin", "name": "heldout"}]}),
+     "calibration.sources[0]: name: 'heldout' is not a builtin corpus (known: prose, code, chat, json, numbers)"),
+    (_with(calibration={"sources": [{"type": "builtin", "name": "prose", "path": "x/*.txt"}]}),
+     "calibration.sources[0]: path: a builtin source is chosen by `name`, not `path`; remove path"),
+    (_with(calibration={"sources": [{"type": "text"}]}),
+     "calibration.sources[0]: path: required for type 'text'"),
+    (_with(calibration={"sources": [{"type": "text", "path": "a", "name": "prose"}]}),
+     "calibration.sources[0]: name: only type builtin takes a name"),
 ])
 def test_bad_recipe_messages(tmp_path, data, expected):
     assert expected in _err(tmp_path, data)
@@ -87,7 +95,8 @@ def test_set_overrides_are_validated_like_the_file(tmp_path):
     r = load_recipe(p, ["stages[0].scheme=W4A16", "stages.0.group_size=64", "calibration.num_samples=16",
                         "calibration.sources=[{type: text, path: 'a/*.txt'}]"])
     assert r.stages[0].scheme == "W4A16" and r.stages[0].group_size == 64
-    assert r.calibration.num_samples == 16 and r.calibration.sources[0].path == "a/*.txt"
+    # applied, and made absolute against the working directory like every relative path in a recipe
+    assert r.calibration.num_samples == 16 and r.calibration.sources[0].path == str(Path.cwd() / "a/*.txt")
     msg = _err(tmp_path, GOOD, ["stages[0].scheme=W4A61"])
     assert "(with --set overrides): stages[0].scheme: 'W4A61' is not a known scheme" in msg
     assert "index 3 out of range" in _err(tmp_path, GOOD, ["stages[3].scheme=W8A8"])

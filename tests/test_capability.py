@@ -1,0 +1,117 @@
+"""What the engine can serve and in which dtype is decided from the CPU's flags, right on every CPU kind.
+
+Each rule is checked under both kinds of CPU this project meets (AVX2-only, and AVX-512 with AMX) by
+setting the flags, so the test means the same on either machine; one test reads the real machine's
+flags and checks the decision against /proc/cpuinfo read independently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from quantkit import hardware
+from quantkit.engine.capability import artifact_can_run, engine_can_run
+from quantkit.engine.vllm_server import resolve_dtype
+
+AVX2 = {"sse4_2", "avx", "avx2", "fma"}
+AMX = AVX2 | {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile"}
+AVX512 = AVX2 | {"avx512f", "avx512bw"}  # AVX-512 without native bf16
+W4A16 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 64, "input_activations": None}
+W8A16 = {"type": "int", "num_bits": 8, "strategy": "channel", "input_activations": None}
+W8A8 = {"type": "int", "num_bits": 8, "strategy": "channel", "input_activations": {"num_bits": 8, "dynamic": True}}
+
+
+@pytest.fixture()
+def cpu(monkeypatch):
+    def set_flags(flags: set[str]) -> None:
+        monkeypatch.setattr(hardware, "cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(hardware, "cuda_device", lambda: None)
+
+    return set_flags
+
+
+def test_int4_weight_only_needs_avx512(cpu):
+    cpu(AVX2)
+    ok, why = engine_can_run(W4A16)
+    assert not ok and "AVX-512" in why and "cpu_gemm_wna16" in why
+    for flags in (AVX512, AMX):
+        cpu(flags)
+        assert engine_can_run(W4A16) == (True, "")
+
+
+@pytest.mark.parametrize("flags", [AVX2, AVX512, AMX], ids=["avx2", "avx512", "amx"])
+def test_w8a16_never_and_w8a8_always_on_the_cpu(cpu, flags):
+    cpu(flags)
+    ok, why = engine_can_run(W8A16)
+    assert not ok and "W8A16" in why
+    assert engine_can_run(W8A8) == (True, "")
+    assert engine_can_run(W4A16, device="cuda") == (True, "")  # a GPU has every kernel
+
+
+def test_eval_dtype_follows_native_bf16(cpu):
+    cpu(AVX2)
+    assert resolve_dtype("auto")[0] == "float32"
+    cpu(AVX512)
+    assert resolve_dtype("auto")[0] == "float32"
+    cpu(AMX)
+    assert resolve_dtype("auto") == ("auto", "the checkpoint's dtype (CPU has native bf16)")
+    assert resolve_dtype("bfloat16") == ("bfloat16", "set in the suite")
+
+
+def test_key_flags_and_kind(cpu):
+    cpu(AMX)
+    assert hardware.key_flags() == ["avx2", "avx512f", "avx512_bf16", "amx_bf16"] and hardware.cpu_kind() == "amx"
+    cpu(AVX512)
+    assert hardware.key_flags() == ["avx2", "avx512f"] and hardware.cpu_kind() == "avx512"
+    cpu(AVX2)
+    assert hardware.key_flags() == ["avx2"] and hardware.cpu_kind() == "avx2" and not hardware.native_bf16()
+
+
+def test_real_machine_flags_match_proc_cpuinfo():
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if not text:
+        pytest.skip("no /proc/cpuinfo on this system")
+    found = set(re.findall(r"\b(avx2|avx512f|amx_bf16|avx512_bf16)\b", text))  # the grep the notes quote
+    assert set(hardware.key_flags()) == found
+    ok, why = engine_can_run(W4A16)
+    assert ok == ("avx512f" in found), why
+    if hardware.cuda_device() is None:
+        assert (resolve_dtype("auto")[0] == "auto") == bool(found & {"amx_bf16", "avx512_bf16"})
+
+
+def test_artifact_check_reads_every_config_group(cpu, tmp_path):
+    """A mixed export (W8A8 group + W4A16 group) is servable only where every group is."""
+    cfg = {"model_type": "llama", "quantization_config": {"format": "mixed", "config_groups": {
+        "group_0": {"targets": ["re:.*down_proj$"], "weights": {k: v for k, v in W8A8.items() if k != "input_activations"},
+                    "input_activations": W8A8["input_activations"]},
+        "group_1": {"targets": ["re:.*q_proj$"], "weights": {k: v for k, v in W4A16.items() if k != "input_activations"},
+                    "input_activations": None}}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cpu(AVX2)
+    ok, why = artifact_can_run(tmp_path)
+    assert not ok and why.startswith("group_1:")
+    cpu(AMX)
+    assert artifact_can_run(tmp_path) == (True, "")
+
+
+def test_capability_command_reports_both_ways(cpu, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    art = tmp_path / "w4"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": {"group_0": {
+        "weights": {k: v for k, v in W4A16.items() if k != "input_activations"}, "input_activations": None}}}}))
+    cpu(AVX2)
+    res = CliRunner().invoke(app, ["capability", str(art)])
+    assert res.exit_code == 1 and "NOT servable" in res.output and "avx2" in res.output
+    cpu(AMX)
+    res = CliRunner().invoke(app, ["capability", str(art), "--json"])
+    assert res.exit_code == 0
+    out = json.loads(res.output)
+    assert out["hardware"]["cpu_kind"] == "amx" and out["artifacts"][str(art)]["servable"] is True
