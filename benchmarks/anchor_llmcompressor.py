@@ -61,7 +61,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from quantkit.data import build_calibration_set
-    from quantkit.demo import ensure_demo_model
+    from quantkit.model.sources import ensure_demo_model
     from quantkit.recipe import load_recipe
 
     sys.path.insert(0, str(REPO / "benchmarks"))

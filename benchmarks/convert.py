@@ -68,9 +68,11 @@ def forward_floor(samples: int) -> dict:
     code = r"""
 import json, sys, time, torch
 from quantkit.recipe import load_recipe
-from quantkit.models import resolve_model_dir, build_skeleton, arch_for, LazyCheckpoint, materialize, release
+from quantkit.model.arch import arch_for
+from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton, materialize, release
+from quantkit.model.sources import resolve_model_dir
 from quantkit.data import build_calibration_set
-from quantkit.pipeline import capture_layer_inputs
+from quantkit.quantize.layers import capture_layer_inputs
 from transformers import AutoTokenizer
 r = load_recipe("recipes/smollm2-w4a16-gptq.yaml", [f"calibration.num_samples={sys.argv[1]}"])
 d = resolve_model_dir(r.model); tok = AutoTokenizer.from_pretrained(d)
@@ -140,7 +142,7 @@ def main() -> None:
         else:
             result["runs"] = []
             if not args.no_perplexity:
-                from quantkit.demo import ensure_demo_model
+                from quantkit.model.sources import ensure_demo_model
 
                 result["float_perplexity"] = perplexity(ensure_demo_model("smollm2-135m", quiet=True))
             for name in args.runs.split(","):

@@ -35,8 +35,8 @@ def _fail(msg: str, code: int = 2) -> None:
 
 def _user_errors():
     from quantkit.data import DataError
-    from quantkit.models import ModelError
-    from quantkit.pipeline import ConvertError
+    from quantkit.model import ModelError
+    from quantkit.plan import ConvertError
     from quantkit.recipe import RecipeError
 
     return (RecipeError, ModelError, DataError, ConvertError, FileExistsError, FileNotFoundError)
@@ -154,8 +154,8 @@ def recipes_corpora() -> None:
 @models_app.command("fetch")
 def models_fetch(name: Annotated[str, typer.Argument(help="Demo model name, e.g. smollm2-135m.")], quiet: Quiet = False) -> None:
     """Make a demo model available as a local bf16 safetensors folder in QUANTKIT_HOME."""
-    from quantkit.demo import ensure_demo_model
-    from quantkit.models import ModelError
+    from quantkit.model import ModelError
+    from quantkit.model.sources import ensure_demo_model
 
     try:
         typer.echo(str(ensure_demo_model(name, quiet=quiet)))

@@ -148,7 +148,8 @@ def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ packing
-def _windows(docs: list[str], tokenizer, seq_len: int, rng: random.Random) -> list[list[int]]:
+def pack_windows(docs: list[str], tokenizer, seq_len: int, rng: random.Random) -> list[list[int]]:
+    """Documents in a seeded order, tokenized and joined with EOS, cut into full `seq_len` windows."""
     order = list(range(len(docs)))
     rng.shuffle(order)
     eos = tokenizer.eos_token_id
@@ -167,7 +168,7 @@ def build_calibration_set(spec: CalibrationSpec, tokenizer, where: str = "calibr
     for i, src in enumerate(spec.sources):
         w = f"{where}.sources[{i}]"
         docs = read_documents(src, w, tokenizer)
-        wins = _windows(docs, tokenizer, spec.seq_len, rng)
+        wins = pack_windows(docs, tokenizer, spec.seq_len, rng)
         per_source.append(wins)
         info.append({"type": src.type, "path": src.reader().path, **({"name": src.name} if src.name else {}),
                      "documents": len(docs), "windows": len(wins), "weight": src.weight})

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from quantkit.algorithms.rtn import fake_quantize_activations
-from quantkit.pipeline import plan_layers
-from quantkit.models import arch_for
+from quantkit.algorithms.rtn import activation_pre_hook
+from quantkit.model.arch import arch_for
+from quantkit.plan import make_plan
 from quantkit.recipe import Recipe
 
 
@@ -22,16 +22,11 @@ def fake_quant_model(model_dir: Path, recipe: Recipe, weights: dict[str, torch.T
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True,
                                                  trust_remote_code=recipe.model.trust_remote_code)
     model.eval()
-    plans, _ = plan_layers(model, arch_for(model.config), recipe)
-    for plan in plans:
-        for members in plan.groups:
-            for t in members:
-                mod = model.get_submodule(t.name)
-                mod.weight.data = weights[t.name].to(dtype)
-                if t.scheme.activations is not None:
-                    act = t.scheme.activations
-                    mod.register_forward_pre_hook(
-                        lambda _m, args, act=act: (fake_quantize_activations(args[0], act),) + tuple(args[1:]))
+    for t in make_plan(model, arch_for(model.config), recipe).targets.values():
+        mod = model.get_submodule(t.name)
+        mod.weight.data = weights[t.name].to(dtype)
+        if t.scheme.activations is not None:
+            mod.register_forward_pre_hook(activation_pre_hook(t.scheme.activations))
     params = dict(model.named_parameters())
     for name, w in weights.items():  # float tensors a transform stage rewrote (norm weights, biases)
         if name in params:

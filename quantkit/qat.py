@@ -34,10 +34,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.algorithms.qat import QATLinear, latent_init
-from quantkit.data import DataError, _windows, read_documents
+from quantkit.data import DataError, pack_windows, read_documents
 from quantkit.export.compressed_tensors import compress_linear
 from quantkit.io import atomic_write_json
-from quantkit.recipe import CalibrationSpec, QATStage, Recipe
+from quantkit.algorithms.qat import QATStage
+from quantkit.plan import Plan
+from quantkit.recipe import CalibrationSpec, Recipe
 
 log = logging.getLogger("quantkit")
 BETAS = (0.9, 0.95)
@@ -64,7 +66,7 @@ def split_windows(spec: CalibrationSpec, tokenizer, seq_len: int, holdout_fracti
     train, weights, held = [], [], []
     for i, src in enumerate(spec.sources):
         where = f"calibration.sources[{i}]"
-        wins = _windows(read_documents(src, where, tokenizer), tokenizer, seq_len, rng)
+        wins = pack_windows(read_documents(src, where, tokenizer), tokenizer, seq_len, rng)
         rng.shuffle(wins)
         n_hold = max(1, round(len(wins) * holdout_fraction)) if len(wins) >= 2 else 0
         if len(wins) - n_hold < 1:
@@ -99,13 +101,13 @@ def load_float(model_dir: Path, recipe: Recipe) -> nn.Module:
     return model.eval()
 
 
-def rewritten_tensors(tensors: dict[str, torch.Tensor], plan, model_keys: set[str]) -> dict[str, torch.Tensor]:
+def rewritten_tensors(tensors: dict[str, torch.Tensor], layer, model_keys: set[str]) -> dict[str, torch.Tensor]:
     """Plain model tensors a transform stage rewrote (norm weights, biases), stored beside the layer's codes."""
-    names = tuple(t.name + "." for members in plan.groups for t in members)
+    names = tuple(t.name + "." for t in layer.targets)
     return {k: v for k, v in tensors.items() if k in model_keys and not k.startswith(names)}
 
 
-def build_student(model_dir: Path, recipe: Recipe, plans, layer_files: list[Path]) -> tuple[nn.Module, dict]:
+def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list[Path]) -> tuple[nn.Module, dict]:
     """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result."""
     from compressed_tensors.compressors import BaseCompressor
 
@@ -116,13 +118,13 @@ def build_student(model_dir: Path, recipe: Recipe, plans, layer_files: list[Path
     model = load_float(model_dir, recipe)
     model_keys = set(model.state_dict())
     modules: dict[str, QATLinear] = {}
-    for plan, path in zip(plans, layer_files):
+    for layer, path in zip(plan.layers, layer_files):
         tensors = load_file(str(path))
         with torch.no_grad():
-            for k, v in rewritten_tensors(tensors, plan, model_keys).items():
+            for k, v in rewritten_tensors(tensors, layer, model_keys).items():
                 mod, attr = k.rsplit(".", 1)
                 getattr(model.get_submodule(mod), attr).copy_(v.float())
-        for members in plan.groups:
+        for members in layer.groups:
             for t in members:
                 local = {k[len(t.name) + 1:]: v for k, v in tensors.items() if k.startswith(t.name + ".")}
                 local["weight_scale"] = local["weight_scale"].float()  # exact fp32 dequantization
@@ -288,8 +290,8 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
     return state
 
 
-def run(recipe: Recipe, model_dir: Path, tokenizer, plans, layer_files: list[Path], root: Path,
-        quiet: bool = False, capture: dict | None = None) -> QATResult:
+def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: list[Path], root: Path,
+        quiet: bool = False, on_weight=None) -> QATResult:
     """Train the last (qat) stage from the PTQ layer files; write the export tensors into `root`."""
     st: QATStage = recipe.stages[-1]
     root.mkdir(parents=True, exist_ok=True)
@@ -297,22 +299,22 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plans, layer_files: list[Pat
     heldout = heldout[:st.eval_samples]
     log.info("qat: %d training windows, %d held-out windows of %d tokens",
              sum(len(t) for t in train_w), len(heldout), st.seq_len)
-    student, modules = build_student(model_dir, recipe, plans, layer_files)
+    student, modules = build_student(model_dir, recipe, plan, layer_files)
     teacher = load_float(model_dir, recipe)
     state = train(student, teacher, modules, st, train_w, weights, heldout, root, quiet)
 
     scale_dtype = getattr(torch, recipe.model.dtype)
     tensors: dict[str, torch.Tensor] = {}
-    targets = {t.name: t for plan in plans for members in plan.groups for t in members}
+    targets = plan.targets
     model_keys = set(load_float_keys(student, modules))
-    for plan, path in zip(plans, layer_files):  # transform-rewritten tensors go out as the pipeline stored them
-        tensors.update(rewritten_tensors(load_file(str(path)), plan, model_keys))
+    for layer, path in zip(plan.layers, layer_files):  # transform-rewritten tensors go out as the pipeline stored them
+        tensors.update(rewritten_tensors(load_file(str(path)), layer, model_keys))
     for name, m in modules.items():
         deq, scale, zp = m.export()
         g_idx = m.g_idx if "weight_g_idx" in _ptq_keys(layer_files, name) else None
         tensors.update(compress_linear(name, deq, scale, zp, g_idx, targets[name].ct_scheme, scale_dtype))
-        if capture is not None:
-            capture[name] = deq.cpu().clone()
+        if on_weight is not None:
+            on_weight(name, deq.cpu().clone())
     out = root / "export.safetensors"
     tmp = root / ".export.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -320,7 +322,7 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plans, layer_files: list[Pat
     plot = plot_losses(state, st, root / "qat_loss.png")
     first, last = state["eval"][0], state["eval"][-1]
     summary = {
-        "starts_from": sorted({recipe.stages[t.stage].method for t in targets.values()}),
+        "starts_from": sorted({t.method for t in targets.values()}),  # the quantizers of the PTQ start
         "steps": st.steps, "loss": st.loss, "scales": st.scales, "lr": st.lr, "warmup_steps": st.warmup_steps,
         "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum, "seed": st.seed,
         "tokens_trained": st.steps * st.grad_accum * st.batch_size * st.seq_len,

@@ -14,22 +14,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from quantkit.quantize.methods import QUANTIZERS, STAGE_CLASSES
 from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES
+from quantkit.stages import Strict
 
 
 class RecipeError(ValueError):
     """A recipe problem, already phrased for the user (file: field: problem)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # ---------------------------------------------------------------------------------------------- model
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     path: str = Field(description="local HF folder, a .gguf file, a hub id, or a demo name (smollm2-135m)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     trust_remote_code: bool = False
@@ -38,7 +36,9 @@ class ModelSpec(_Strict):
 
 # -------------------------------------------------------------------------------------- calibration
 LOCAL_SOURCES = ("text", "jsonl", "parquet", "disk", "chat")  # source types whose `path` is on this machine
-class DataSource(_Strict):
+
+
+class DataSource(Strict):
     type: Literal["text", "jsonl", "parquet", "disk", "hub", "chat", "builtin"]
     path: str | None = Field(None, description="file, glob, folder, or hub dataset name (type: hub)")
     name: str | None = Field(None, description="type: builtin: a part of quantkit's shipped calibration corpus "
@@ -73,7 +73,7 @@ class DataSource(_Strict):
         return f"builtin:{self.name}" if self.type == "builtin" else str(self.path)
 
 
-class CalibrationSpec(_Strict):
+class CalibrationSpec(Strict):
     sources: list[DataSource] = Field(min_length=1)
     num_samples: int = Field(32, ge=1)
     seq_len: int = Field(512, ge=8)
@@ -83,171 +83,19 @@ class CalibrationSpec(_Strict):
 
 
 # ------------------------------------------------------------------------------------------- stages
-def matches_pattern(patterns: list[str], name: str, cls_name: str) -> bool:
-    """A module matches a `targets`/`ignore` entry by full name, by class name, or by `re:<regex>` on its name."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif p == name or p == cls_name:
-            return True
-    return False
-
-
-class _Targeted(_Strict):
-    targets: list[str] = Field(default_factory=lambda: ["Linear"],
-                               description="module class names, or 're:<regex>' on module names")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
-
-    @field_validator("targets", "ignore")
-    @classmethod
-    def _patterns(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if p.startswith("re:"):
-                try:
-                    re.compile(p[3:])
-                except re.error as exc:
-                    raise ValueError(f"{p!r} is not a valid regular expression ({exc})") from None
-        return v
-
-
-class _StageBase(_Targeted):
-    scheme: str
-    group_size: int | None = Field(None, description="override the scheme's group size; -1 = per channel")
-    symmetric: bool | None = None
-
-    @field_validator("scheme")
-    @classmethod
-    def _known_scheme(cls, v: str) -> str:
-        if v not in SCHEMES:
-            raise ValueError(f"{v!r} is not a known scheme (known: {', '.join(SCHEMES)})")
-        return v
-
-    @field_validator("group_size")
-    @classmethod
-    def _group(cls, v: int | None) -> int | None:
-        if v is not None and v != -1 and (v <= 0 or v % 2):
-            raise ValueError(f"{v!r} is not a valid group size (use a positive even number, or -1 per channel)")
-        return v
-
-    @property
-    def needs_calibration(self) -> bool:
-        return False
-
-    @property
-    def is_transform(self) -> bool:
-        return False
-
-
-class RTNStage(_StageBase):
-    """Round-to-nearest: min-max scales, no calibration data needed."""
-
-    method: Literal["rtn"]
-
-
-class GPTQStage(_StageBase):
-    """GPTQ (Frantar et al. 2022): second-order rounding from calibration Hessians."""
-
-    method: Literal["gptq"]
-    block_size: int = Field(128, ge=1)
-    dampening_frac: float = Field(0.01, gt=0, lt=1)
-    actorder: Literal["none", "static", "group"] = "static"
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True
-
-
-class _TransformBase(_Targeted):
-    """A transform rescales weights and activations without changing the float model's output; the
-    quantizer stages after it then quantize the transformed layers. It applies to every smoothing
-    mapping of the architecture whose target Linears all match `targets` (and not `ignore`) and are
-    quantized by a later stage; it optimizes for the scheme of the stage that quantizes them."""
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True
-
-    @property
-    def is_transform(self) -> bool:
-        return True
-
-    @property
-    def scheme(self) -> None:  # a transform produces no scheme (and no config group) of its own
-        return None
-
-
-class AWQStage(_TransformBase):
-    """AWQ-style activation-aware scaling (Lin et al. 2023), searched per smoothing mapping."""
-
-    method: Literal["awq"]
-    grid: int = Field(20, ge=1, le=100, description="exponents tried: alpha in {0, 1/grid, ..., (grid-1)/grid}")
-    duo_scaling: bool = Field(True, description="s = mean|x|^a / mean|w|^(1-a) instead of mean|x|^a")
-    clip: bool = Field(True, description="also search a per-group weight clipping range (not for q/k)")
-    max_tokens: int = Field(2048, ge=16, description="calibration tokens used in the searches (evenly sampled)")
-
-
-class SmoothQuantStage(_TransformBase):
-    """SmoothQuant (Xiao et al. 2022): migrate activation outliers into the weights, for W8A8."""
-
-    method: Literal["smoothquant"]
-    alpha: float = Field(0.5, ge=0, le=1, description="migration strength: s = max|x|^a / max|w|^(1-a)")
-    max_tokens: int = Field(4096, ge=16, description="tokens used to check the W8A8 error before/after")
-
-
-class QATStage(_StageBase):
-    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/qat.py.
-
-    Must be the last stage. It fine-tunes every module the stages before it quantized (keeping their
-    schemes, starting from their result); modules only it targets start from round-to-nearest.
-    """
-
-    method: Literal["qat"]
-    steps: int = Field(200, ge=1, description="optimizer steps")
-    lr: float = Field(5e-5, gt=0, lt=1, description="peak AdamW learning rate (cosine schedule after warmup)")
-    warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
-    batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
-    seq_len: int = Field(512, ge=8, description="tokens per training sequence")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    loss: Literal["kd", "ce"] = Field("kd", description="kd: KL to the float model's logits; ce: next-token loss")
-    scales: Literal["fixed", "learned"] = Field("learned", description="keep the PTQ scales or learn them (LSQ)")
-    eval_every: int = Field(25, ge=1, description="held-out loss every N steps")
-    eval_samples: int = Field(8, ge=1, description="held-out sequences scored at each evaluation")
-    checkpoint_every: int = Field(25, ge=1, description="resume point every N steps")
-    seed: int = 0
-    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="share of the training windows held out")
-    gradient_checkpointing: bool = True
-
-    @field_validator("scheme")
-    @classmethod
-    def _int_weights(cls, v: str) -> str:
-        if SCHEMES[v].weights.type != "int":
-            ints = ", ".join(n for n, s in SCHEMES.items() if s.weights.type == "int")
-            raise ValueError(f"{v!r} is not an integer weight scheme, which qat needs (use one of {ints})")
-        return v
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True  # the training text comes from the calibration sources
-
-
-Stage = Annotated[Union[RTNStage, GPTQStage, AWQStage, SmoothQuantStage, QATStage], Field(discriminator="method")]
-STAGE_CLASSES = {"rtn": RTNStage, "gptq": GPTQStage, "awq": AWQStage, "smoothquant": SmoothQuantStage,
-                 "qat": QATStage}
+Stage = Annotated[Union[tuple(STAGE_CLASSES.values())], Field(discriminator="method")]
 METHODS = tuple(STAGE_CLASSES)
-QUANTIZERS = ("rtn", "gptq")
-TRANSFORMS = ("awq", "smoothquant")
 
 
 # ------------------------------------------------------------------------------------------- export
-class ExportSpec(_Strict):
+class ExportSpec(Strict):
     format: Literal["compressed-tensors"] = "compressed-tensors"
     output_dir: str | None = Field(None, description="default: runs/<name>")
     max_shard_size_mb: int = Field(2000, ge=1)
 
 
 # --------------------------------------------------------------------------------- eval/gates/publish
-class WorkloadSpec(_Strict):
+class WorkloadSpec(Strict):
     """The seeded serving workload, identical for baseline and candidate (lengths in tokens)."""
 
     num_requests: int = Field(16, ge=1, description="measured requests per load level")
@@ -274,14 +122,14 @@ class WorkloadSpec(_Strict):
         return v
 
 
-class VariantSpec(_Strict):
+class VariantSpec(Strict):
     """A serving variant: the candidate's speed workload rerun with these engine settings changed."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
     engine_args: dict[str, Any] = Field(min_length=1, description="vLLM server flags, e.g. enable_prefix_caching: true")
 
 
-class EvalSpec(_Strict):
+class EvalSpec(Strict):
     """What `quantkit eval` measures (a "suite"). Named suites live in evals/suites/<name>.yaml."""
 
     suite: str = Field("default", description="label recorded in the report")
@@ -317,7 +165,7 @@ METRIC_PATTERNS = (
 )
 
 
-class GateSpec(_Strict):
+class GateSpec(Strict):
     """One gate: `metric op threshold`, on the candidate value or on candidate / baseline (relative)."""
 
     metric: str = Field(description="a metric name from report.json, e.g. quality.perplexity")
@@ -335,7 +183,7 @@ class GateSpec(_Strict):
         return v
 
 
-class PublishSpec(_Strict):
+class PublishSpec(Strict):
     registry: str | None = Field(None, description="MLflow tracking URI (http://..., sqlite:///...) or hf://org/name; "
                                                    "default: the embedded MLflow registry in QUANTKIT_HOME")
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -345,7 +193,7 @@ class PublishSpec(_Strict):
 
 
 # ------------------------------------------------------------------------------------------- recipe
-class Recipe(_Strict):
+class Recipe(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     description: str = ""
     model: ModelSpec

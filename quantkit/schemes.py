@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 
-Strategy = Literal["channel", "group", "tensor"]
+Strategy = Literal["channel", "group"]
 
 
 @dataclass(frozen=True)

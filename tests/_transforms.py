@@ -1,15 +1,18 @@
 """Helpers for the transform tests: run a recipe's transform stages alone on a float HF model, layer by
-layer through the pipeline's own code (plan_layers -> apply_transforms), and compare logits."""
+layer through the pipeline's own code (make_plan -> capture_layer_inputs -> apply_transforms), and
+compare logits."""
 
 from __future__ import annotations
 
 import torch
 
 from conftest import tiny_recipe
-from quantkit.models import arch_for
-from quantkit.pipeline import plan_layers
+from quantkit.model.arch import arch_for
+from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
+from quantkit.plan import make_plan
+from quantkit.quantize.layers import Job, capture_layer_inputs
+from quantkit.quantize.transforms import apply_transforms
 from quantkit.recipe import parse_recipe
-from quantkit.transforms import apply_transforms
 
 
 def calibration_ids(recipe, model_dir):
@@ -28,29 +31,21 @@ def transform_float_model(model_dir, calib_dir, stages):
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     arch = arch_for(model.config)
-    plans, _ = plan_layers(model, arch, recipe)
+    plan = make_plan(model, arch, recipe)
     layers = model.get_submodule(arch.layers)
-    seen: dict[int, tuple] = {}
-
-    def record(module, args, kwargs, i):
-        import inspect
-
-        names = list(inspect.signature(module.forward).parameters)
-        kw = {**dict(zip(names[1:], args[1:])), **kwargs}  # positional extras by name
-        seen.setdefault(i, (args[0], {k: v for k, v in kw.items() if k not in ("past_key_values", "use_cache")}))
-
-    handles = [layer.register_forward_pre_hook(lambda m, a, k, i=i: record(m, a, k, i), with_kwargs=True)
-               for i, layer in enumerate(layers)]
-    with torch.no_grad():
-        model(calibration_ids(recipe, model_dir), use_cache=False)
-    for h in handles:
-        h.remove()
+    # the first layer's input and every layer's keyword arguments, exactly as the pipeline captures them
+    ids = calibration_ids(recipe, model_dir)
+    hidden, kwargs_by_size = capture_layer_inputs(build_skeleton(model_dir, "float32"), arch, LazyCheckpoint(model_dir),
+                                                  ids, torch.float32, ids.shape[0])
+    job = Job(recipe, torch.bfloat16)
     stats: dict = {}
-    for i, plan in enumerate(plans):  # the float layer input is the same before and after transforms
-        hidden, kwargs = seen[i]
-        names = {t.name for g in plan.groups for t in g}
-        res = apply_transforms(layers[i], plan.prefix, plan.smoothing, recipe, [(hidden, kwargs)], torch.bfloat16, names)
-        stats.update({k: v["smoothing"] for k, v in res.items()})
+    for i, lp in enumerate(plan.layers):  # the float layer input is the same before and after transforms
+        kwargs = kwargs_by_size[ids.shape[0]][i]
+        with torch.no_grad():
+            out = layers[i](hidden, **kwargs)
+        res = apply_transforms(layers[i], lp.prefix, lp.smoothing, job, [(hidden, kwargs)], {t.name for t in lp.targets})
+        stats.update({k: v.smoothing for k, v in res.items()})
+        hidden = out[0] if isinstance(out, tuple) else out
     return ref, model, stats, recipe
 
 

@@ -17,7 +17,8 @@ from quantkit.algorithms.awq import awq_clip, awq_search
 from quantkit.algorithms.rtn import rtn
 from quantkit.algorithms.smoothing import block_error, channel_index, reduce_to_channels
 from quantkit.fakequant import fake_quant_model
-from quantkit.models import ARCHS, ModelError
+from quantkit.model import ModelError
+from quantkit.model.arch import ARCHS
 from quantkit.recipe import RecipeError, parse_recipe
 from quantkit.schemes import get_scheme
 
@@ -102,7 +103,7 @@ def test_awq_then_quantizer_exports_and_reloads(tiny_llama, calib_text, tmp_path
     stages = [{"method": "awq", "grid": 10}, {"method": quantizer, "scheme": "W4A16", "group_size": 16}]
     r = parse_recipe(tiny_recipe(tiny_llama, calib_text, stages))
     cap: dict = {}
-    out = api.convert(r, tmp_path / "out", quiet=True, capture=cap)
+    out = api.convert(r, tmp_path / "out", quiet=True, on_weight=cap.__setitem__)
     got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ref = fake_quant_model(tiny_llama, r, cap)
     a, b = logits(ref), logits(got)

@@ -18,14 +18,14 @@ from conftest import REPO, make_tiny_model, tiny_recipe, write_recipe
 from quantkit import api
 from quantkit.cli import app
 from quantkit.fakequant import fake_quant_model
-from quantkit.pipeline import ConvertError
+from quantkit.plan import ConvertError
 from quantkit.recipe import parse_recipe
 
 
 def _convert(model_dir, calib, stages, out, **kw):
     r = parse_recipe(tiny_recipe(model_dir, calib, stages))
     cap: dict = {}
-    api.convert(r, out, quiet=True, capture=cap, **kw)
+    api.convert(r, out, quiet=True, on_weight=cap.__setitem__, **kw)
     return r, cap
 
 
@@ -113,7 +113,9 @@ def test_crash_mid_export_leaves_no_final_folder(tiny_llama, tmp_path, monkeypat
     def boom(*a, **k):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(api, "write_config", boom)
+    from quantkit.export import artifact
+
+    monkeypatch.setattr(artifact, "write_config", boom)
     with pytest.raises(OSError, match="simulated"):
         _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)
     assert not out.exists()
@@ -160,10 +162,10 @@ def test_mixed_precision_stages(tiny_llama, calib_text, tmp_path):
 # ------------------------------------------------------------------------------------------ resume
 KILLER = r"""
 import os, signal, sys
-from quantkit import pipeline
+from quantkit.quantize import workdir
 from quantkit.cli import app
 mode, at = sys.argv[1], int(sys.argv[2])
-orig_save, orig_write = pipeline.WorkDir.save_layer, pipeline.atomic_write_json
+orig_save, orig_write = workdir.WorkDir.save_layer, workdir.atomic_write_json
 def save_layer(self, index, results, hidden):
     if mode == "during" and index == at:
         # kill -9 after the layer and next-input files are written, before state.json says so
@@ -171,11 +173,11 @@ def save_layer(self, index, results, hidden):
             if str(path).endswith("state.json"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return orig_write(path, data)
-        pipeline.atomic_write_json = write
+        workdir.atomic_write_json = write
     orig_save(self, index, results, hidden)
     if mode == "after" and index == at:
         os.kill(os.getpid(), signal.SIGKILL)
-pipeline.WorkDir.save_layer = save_layer
+workdir.WorkDir.save_layer = save_layer
 sys.argv = ["quantkit", *sys.argv[3:]]
 app()
 """
@@ -261,7 +263,7 @@ def test_chunked_forward_matches_one_chunk(tiny_llama, calib_text, tmp_path):
 def test_failure_inside_the_chunked_forward_stops_every_chunk(tiny_llama, calib_text, tmp_path, monkeypatch):
     import gc
 
-    from quantkit import pipeline
+    from quantkit.quantize import layers
 
     calls = []
 
@@ -271,10 +273,10 @@ def test_failure_inside_the_chunked_forward_stops_every_chunk(tiny_llama, calib_
             raise ConvertError("simulated quantizer failure")
         return real(*a, **k)
 
-    real = pipeline.quantize_group
-    monkeypatch.setattr(pipeline, "quantize_group", fail_on_second_group)
+    real = layers.quantize_group
+    monkeypatch.setattr(layers, "quantize_group", fail_on_second_group)
     with pytest.raises(ConvertError, match="simulated quantizer failure"):
         _convert(tiny_llama, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}], tmp_path / "o")
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, pipeline._Chunk) and o], "a chunk is left suspended"
+    assert not [o for o in gc.get_objects() if isinstance(o, layers._Chunk) and o], "a chunk is left suspended"
     assert torch.is_grad_enabled()  # the scheduler's grad mode is restored

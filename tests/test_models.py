@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
-from quantkit.models import ModelError, arch_for, resolve_model_dir
+from quantkit.model import ModelError
+from quantkit.model.arch import arch_for
+from quantkit.model.sources import resolve_model_dir
 from quantkit.recipe import ModelSpec
 
 

@@ -53,7 +53,7 @@ def _qat(**kw) -> dict:
 def _convert(model_dir, calib, stages, out, **kw):
     r = parse_recipe(tiny_recipe(model_dir, calib, stages))
     cap: dict = {}
-    api.convert(r, out, quiet=True, capture=cap, **kw)
+    api.convert(r, out, quiet=True, on_weight=cap.__setitem__, **kw)
     return r, cap, json.loads((out / "manifest.json").read_text())
 
 
@@ -126,7 +126,9 @@ def test_qat_lowers_heldout_kl_and_export_reloads_like_training(peaky_llama, cal
     q = man["qat"]
     before, after = q["heldout_before"]["kl"], q["heldout_after"]["kl"]
     assert after < 0.7 * before, (before, after)  # QAT from RTN recovers most of the KL to the float model
-    assert q["starts_from"] == ["qat"] and len(q["train_loss"]) == 30 and q["wall_time_s"] > 0
+    # a qat stage alone starts from round-to-nearest, and the plan says so (it used to record "qat")
+    assert q["starts_from"] == ["rtn"] and len(q["train_loss"]) == 30 and q["wall_time_s"] > 0
+    assert {(v["stage"], v["method"]) for v in man["layers"].values()} == {(0, "rtn")}
     assert (out / "qat_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "qat_loss.png" in man["files"]
     # the export reloads with the outputs the trained (fake-quant) model had in training

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from quantkit.export.shards import TensorRef, ref_from_tensor, refs_from_checkpoint, write_file, write_shards
-from quantkit.models import LazyCheckpoint, materialize
+from quantkit.model.checkpoint import LazyCheckpoint, materialize
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -62,7 +62,7 @@ def test_smoothquant_then_rtn_exports_and_reloads(tiny_llama, calib_text, tmp_pa
     stages = [{"method": "smoothquant"}, {"method": "rtn", "scheme": "W8A8"}]
     r = parse_recipe(tiny_recipe(tiny_llama, calib_text, stages))
     cap: dict = {}
-    out = api.convert(r, tmp_path / "out", quiet=True, capture=cap)
+    out = api.convert(r, tmp_path / "out", quiet=True, on_weight=cap.__setitem__)
     got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ref = fake_quant_model(tiny_llama, r, cap)
     a, b = logits(ref), logits(got)  # compressed-tensors decompresses the weights on the first forward

@@ -30,13 +30,20 @@ quantized candidates between grid points.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from quantkit.algorithms.rtn import _minmax_qparams, dequantize_codes, group_size_for, quantize_codes
 from quantkit.algorithms.smoothing import block_error, normalize_scales, reduce_to_channels
+from quantkit.quantize.contract import ChannelStats, TransformScales
 from quantkit.schemes import ActivationSpec, WeightSpec
+from quantkit.stages import TransformStage
+
+NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj)$")  # their errors are amplified by the softmax
 
 CLIP_GRID = 10  # shrink ratios 1.0, 0.95, ..., 0.55
 CLIP_MAX_SHRINK = 0.5
@@ -127,3 +134,37 @@ def _clamp(wg: torch.Tensor, wmin: torch.Tensor, wmax: torch.Tensor, r: torch.Te
     else:
         lo, hi = wmin * r, wmax * r
     return torch.maximum(torch.minimum(wg, hi.unsqueeze(-1)), lo.unsqueeze(-1))
+
+
+# ------------------------------------------------------------------------------ the method contract
+class AWQStage(TransformStage):
+    """AWQ-style activation-aware scaling (Lin et al. 2023), searched per smoothing mapping."""
+
+    method: Literal["awq"]
+    grid: int = Field(20, ge=1, le=100, description="exponents tried: alpha in {0, 1/grid, ..., (grid-1)/grid}")
+    duo_scaling: bool = Field(True, description="s = mean|x|^a / mean|w|^(1-a) instead of mean|x|^a")
+    clip: bool = Field(True, description="also search a per-group weight clipping range (not for q/k)")
+    max_tokens: int = Field(2048, ge=16, description="calibration tokens used in the searches (evenly sampled)")
+
+
+def choose_scales(stats: ChannelStats, weights: list[torch.Tensor], specs: list[WeightSpec],
+                  acts: list[ActivationSpec | None], idx: torch.Tensor, channels: int, stage: AWQStage,
+                  scale_dtype: torch.dtype) -> TransformScales:
+    r = awq_search(stats.sample, stats.abs_mean, weights, specs, acts, idx, channels, stage.grid,
+                   stage.duo_scaling, scale_dtype)
+    return TransformScales(r.scales, r.alpha is not None, r.error_before, r.error_after, {"alpha": r.alpha})
+
+
+def refine(x: torch.Tensor, targets: list[tuple[str, torch.Tensor, WeightSpec]], stage: AWQStage,
+           scale_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """After the fold: the clipping search on the scaled weights (x [tokens, in] already divided by the
+    scales). Returns the clipped weights by module name and the mean shrink ratios for the manifest."""
+    if not stage.clip:
+        return {}, {}
+    new, shrink = {}, {}
+    for name, w, spec in targets:
+        if NO_CLIP.search(name):
+            continue
+        new[name], mean_r = awq_clip(x, w, spec, scale_dtype)
+        shrink[name.rpartition(".")[2]] = round(mean_r, 4)
+    return new, ({"clip_mean_ratio": shrink} if shrink else {})

@@ -28,8 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Literal
+
+from pydantic import Field
+
 from quantkit.algorithms.rtn import QParams, compute_qparams, dequantize_codes, group_size_for, quantize_codes
+from quantkit.quantize.contract import Observations, QuantizedWeight
 from quantkit.schemes import WeightSpec
+from quantkit.stages import QuantizerStage
 
 
 class HessianAccumulator:
@@ -233,3 +239,34 @@ def _as_channel(spec: WeightSpec) -> WeightSpec:
     from dataclasses import replace
 
     return replace(spec, strategy="channel", group_size=None)
+
+
+# ------------------------------------------------------------------------------ the method contract
+class GPTQStage(QuantizerStage):
+    """GPTQ (Frantar et al. 2022): second-order rounding from calibration Hessians."""
+
+    method: Literal["gptq"]
+    block_size: int = Field(128, ge=1)
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+    actorder: Literal["none", "static", "group"] = "static"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: GPTQStage,
+             scale_dtype: torch.dtype) -> list[QuantizedWeight]:
+    """The group's weights share an input, so they are stacked along rows into one sweep (exact: GPTQ
+    treats rows independently given H), then split back per module."""
+    W = torch.cat(weights, dim=0)  # [sum(out), in]
+    res = gptq_quantize(W, obs.hessian, spec, block_size=stage.block_size, dampening_frac=stage.dampening_frac,
+                        actorder=stage.actorder, scale_dtype=scale_dtype)
+    out, row = [], 0
+    for w in weights:
+        r = slice(row, row + w.shape[0])
+        row += w.shape[0]
+        zp = res.qparams.zero_point[r] if res.qparams.zero_point is not None else None
+        out.append(QuantizedWeight(res.weight[r], res.qparams.scale[r], zp, res.g_idx,
+                                   {"gptq_loss": float(res.loss[r].sum()), "damping": res.damping}))
+    return out

@@ -26,8 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import Literal
+
+from pydantic import Field, field_validator
+
 from quantkit.algorithms.rtn import fake_quantize_activations
-from quantkit.schemes import ActivationSpec, WeightSpec
+from quantkit.schemes import SCHEMES, ActivationSpec, WeightSpec
+from quantkit.stages import QuantizerStage
 
 LATENT_MARGIN = 0.45  # the latent weight stays within +-0.45 of a step of its PTQ code
 
@@ -132,3 +137,40 @@ class QATLinear(nn.Module):
         scale = self.weight_scale.clamp(min=1e-8).to(self.scale_dtype).float()
         return self.quantized_weight().detach().clone(), scale, \
             self.weight_zero_point.clone() if self.weight_zero_point is not None else None
+
+
+# ------------------------------------------------------------------------------------ the stage config
+class QATStage(QuantizerStage):
+    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/qat.py.
+
+    Must be the last stage. It fine-tunes every module the stages before it quantized (keeping their
+    schemes, starting from their result); modules only it targets start from round-to-nearest.
+    """
+
+    method: Literal["qat"]
+    steps: int = Field(200, ge=1, description="optimizer steps")
+    lr: float = Field(5e-5, gt=0, lt=1, description="peak AdamW learning rate (cosine schedule after warmup)")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
+    batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
+    seq_len: int = Field(512, ge=8, description="tokens per training sequence")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    loss: Literal["kd", "ce"] = Field("kd", description="kd: KL to the float model's logits; ce: next-token loss")
+    scales: Literal["fixed", "learned"] = Field("learned", description="keep the PTQ scales or learn them (LSQ)")
+    eval_every: int = Field(25, ge=1, description="held-out loss every N steps")
+    eval_samples: int = Field(8, ge=1, description="held-out sequences scored at each evaluation")
+    checkpoint_every: int = Field(25, ge=1, description="resume point every N steps")
+    seed: int = 0
+    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="share of the training windows held out")
+    gradient_checkpointing: bool = True
+
+    @field_validator("scheme")
+    @classmethod
+    def _int_weights(cls, v: str) -> str:
+        if SCHEMES[v].weights.type != "int":
+            ints = ", ".join(n for n, s in SCHEMES.items() if s.weights.type == "int")
+            raise ValueError(f"{v!r} is not an integer weight scheme, which qat needs (use one of {ints})")
+        return v
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True  # the training text comes from the calibration sources

@@ -17,10 +17,13 @@ over the weight. Left out: learned rounding, non-uniform codebooks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from quantkit.quantize.contract import Observations, QuantizedWeight
 from quantkit.schemes import ActivationSpec, WeightSpec
+from quantkit.stages import QuantizerStage
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -143,6 +146,11 @@ def fake_quantize_activations(x: torch.Tensor, spec: ActivationSpec) -> torch.Te
     return (q * scale).to(x.dtype)
 
 
+def activation_pre_hook(spec: ActivationSpec):
+    """A forward pre-hook that quantizes a Linear's input as the engine does at run time (dynamic per token)."""
+    return lambda _m, args: (fake_quantize_activations(args[0], spec),) + tuple(args[1:])
+
+
 def output_sqnr_db(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor) -> float:
     """SQNR of a Linear's output over every calibration token, from the Hessian H ~ X^T X alone.
 
@@ -165,3 +173,20 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(10 * torch.log10(signal / noise))
+
+
+# ------------------------------------------------------------------------------ the method contract
+class RTNStage(QuantizerStage):
+    """Round-to-nearest: min-max scales, no calibration data needed."""
+
+    method: Literal["rtn"]
+
+
+def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: RTNStage,
+             scale_dtype: torch.dtype) -> list[QuantizedWeight]:
+    """Each [out, in] weight on its own; the observations are not needed (RTN uses no data)."""
+    out = []
+    for w in weights:
+        deq, qp = rtn(w, spec, scale_dtype)
+        out.append(QuantizedWeight(deq, qp.scale, qp.zero_point))
+    return out

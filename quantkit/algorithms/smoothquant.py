@@ -22,11 +22,15 @@ and smoothing of q/k for int8 attention (vLLM keeps attention in 16 bits).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from quantkit.algorithms.smoothing import block_error, reduce_to_channels
+from quantkit.quantize.contract import ChannelStats, TransformScales
 from quantkit.schemes import ActivationSpec, WeightSpec
+from quantkit.stages import TransformStage
 
 
 @dataclass
@@ -58,3 +62,20 @@ def smoothquant(x: torch.Tensor, x_absmax: torch.Tensor, weights: list[torch.Ten
     if after >= before:
         return SmoothQuantResult(torch.ones(channels), False, before, before)
     return SmoothQuantResult(s, True, before, after)
+
+
+# ------------------------------------------------------------------------------ the method contract
+class SmoothQuantStage(TransformStage):
+    """SmoothQuant (Xiao et al. 2022): migrate activation outliers into the weights, for W8A8."""
+
+    method: Literal["smoothquant"]
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength: s = max|x|^a / max|w|^(1-a)")
+    max_tokens: int = Field(4096, ge=16, description="tokens used to check the W8A8 error before/after")
+
+
+def choose_scales(stats: ChannelStats, weights: list[torch.Tensor], specs: list[WeightSpec],
+                  acts: list[ActivationSpec | None], idx: torch.Tensor, channels: int, stage: SmoothQuantStage,
+                  scale_dtype: torch.dtype) -> TransformScales:
+    r = smoothquant(stats.sample, stats.abs_max, weights, specs, acts, idx, channels, stage.alpha, scale_dtype)
+    return TransformScales(r.scales, r.applied, r.error_before, r.error_after,
+                           {"alpha": stage.alpha, "applied": r.applied})

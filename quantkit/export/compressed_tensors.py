@@ -40,10 +40,8 @@ def quantization_config(schemes: dict[str, QuantizationScheme], ignore: list[str
 
 
 def write_config(src_config: Path, out_dir: Path, compressor: ModelCompressor) -> None:
-    cfg = json.loads(src_config.read_text())
-    cfg.pop("quantization_config", None)
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    if theta is not None:
-        cfg.setdefault("rope_theta", theta)
+    from quantkit.model.sources import normalize_config
+
+    cfg = normalize_config(json.loads(src_config.read_text()), drop_quantization=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     compressor.update_config(str(out_dir))

@@ -1,10 +1,14 @@
-"""manifest.json: what an artifact is, where it came from, and checksums to prove it is intact."""
+"""manifest.json: what an artifact is, where it came from, and checksums to prove it is intact.
+
+This module owns the manifest: its schema, its contents (`build_manifest`), reading and verifying it.
+"""
 
 from __future__ import annotations
 
 import json
 import platform
 import sys
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
@@ -28,6 +32,30 @@ def package_versions() -> dict[str, str]:
 def file_table(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, dict]:
     return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
             for p in sorted(folder.iterdir()) if p.is_file() and p.name not in exclude}
+
+
+def build_manifest(export_dir: Path, *, recipe, plan, stats: dict[str, dict], fmt: str, base_model: dict,
+                   recipe_sha256: str, calibration: dict | None, conversion: dict, qat: dict | None = None) -> dict:
+    """The manifest of a finished export folder (every file in it is listed with its sha256 and size)."""
+    manifest = {
+        "schema": SCHEMA,
+        "name": recipe.name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_model": base_model,
+        "recipe": recipe.model_dump(mode="json"),
+        "recipe_sha256": recipe_sha256,
+        "calibration": calibration,
+        "quantization": {"stages": [{"method": s.method, "scheme": s.scheme} for s in recipe.stages],
+                         "format": fmt, "modules_quantized": len(stats), "modules_kept": plan.unquantized},
+        "layers": stats,
+        "conversion": conversion,
+        "versions": package_versions(),
+        "files": file_table(export_dir),
+    }
+    manifest["size_bytes"] = sum(f["size"] for f in manifest["files"].values())
+    if qat:
+        manifest["qat"] = qat
+    return manifest
 
 
 def read_manifest(folder: Path) -> dict:

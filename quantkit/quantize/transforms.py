@@ -1,6 +1,7 @@
-"""Transform stages (AWQ, SmoothQuant) inside the layer-sequential pipeline: which smoothing mappings a
-stage applies to, and, per decoder layer, one float forward that captures their inputs, then the scale
-choice (quantkit/algorithms/awq.py, smoothquant.py) and the fold (algorithms/smoothing.py).
+"""Transform stages (AWQ, SmoothQuant, any registered TransformMethod) inside the layer pipeline: per
+decoder layer, one float forward captures the inputs of every planned smoothing mapping, the method
+chooses the scales (quantkit/quantize/methods.py -> algorithms/<method>.py), and the scales are folded
+into the preceding norm or Linear (algorithms/smoothing.py), which leaves the float output unchanged.
 
 The quantizing forward of the pipeline then runs on the transformed layer. The folded float tensors
 that are not quantized afterwards (norm weights, biases) are returned so that the export writes them
@@ -10,51 +11,16 @@ in place of the stored ones; the diagnostics go into the stats of the Linears ea
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from quantkit.algorithms.awq import awq_clip, awq_search
 from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, fold_into_norm, scale_columns
-from quantkit.algorithms.smoothquant import smoothquant
-from quantkit.models import ModelError
-from quantkit.recipe import matches_pattern
-
-NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj)$")
-
-
-@dataclass
-class Smoothing:
-    """One smoothing mapping of one layer, claimed by one transform stage."""
-
-    stage: int
-    prev: str  # local name in the layer: "input_layernorm", "self_attn.v_proj", ...
-    targets: list  # pipeline.Target, in the order of the architecture spec
-    norm_offset: float = 0.0  # the norm multiplies by (offset + weight): 1 for Gemma
-
-
-def plan_smoothing(arch, recipe, prefix: str, quantized: dict) -> list[Smoothing]:
-    """The mappings of one layer each transform stage applies to (first matching transform wins).
-
-    `quantized` maps full module names to their pipeline Target. A mapping applies only when every
-    Linear it feeds is quantized by a later stage and matches the transform's targets / ignore.
-    """
-    out, claimed = [], set()
-    for si, st in enumerate(recipe.stages):
-        if not st.is_transform:
-            continue
-        for prev, feeds in arch.smoothing:
-            if prev in claimed:
-                continue
-            names = [prefix + f for f in feeds]
-            if not all(n in quantized and matches_pattern(st.targets, n, "Linear") and not matches_pattern(st.ignore, n, "Linear")
-                       for n in names):
-                continue
-            claimed.add(prev)
-            out.append(Smoothing(si, prev, [quantized[n] for n in names], float(arch.extra.get("norm_offset", 0.0))))
-    return out
+from quantkit.model import ModelError
+from quantkit.plan import Smoothing
+from quantkit.quantize.contract import ChannelStats
+from quantkit.quantize.methods import TRANSFORMS
 
 
 class _Capture:
@@ -80,20 +46,32 @@ class _Capture:
     def sample(self) -> torch.Tensor:
         return torch.cat(self.rows)
 
+    def stats(self) -> ChannelStats:
+        return ChannelStats(self.sample, self.abs_sum / self.tokens, self.abs_max)
 
-def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing], recipe,
-                     pieces: list[tuple[torch.Tensor, dict]], scale_dtype: torch.dtype, quantized_names: set[str],
-                     capture: dict | None = None) -> dict[str, dict]:
-    """Transform one float layer in place. Returns {target module: {"smoothing": stats, "tensors": {...}}}.
 
-    `pieces` are the calibration chunks, each with the layer's keyword arguments for its batch size.
+@dataclass
+class Transformed:
+    """What transforming one layer changed for one target Linear: the mapping's diagnostics, and the float
+    tensors the fold rewrote (carried by the first target of each mapping)."""
+
+    smoothing: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing], job,
+                     pieces: list[tuple[torch.Tensor, dict]], quantized_names: set[str]) -> dict[str, Transformed]:
+    """Transform one float layer in place. Returns {target module: Transformed}.
+
+    `pieces` are the calibration chunks, each with the layer's keyword arguments for its batch size;
+    `job` is the conversion's quantkit.quantize.layers.Job (recipe, scale dtype, weight hook).
     """
     total = sum(h.shape[0] * h.shape[1] for h, _ in pieces)  # tokens: [batch, seq, hidden] chunks
     caps: dict[int, _Capture] = {}
     prev_out: dict[int, _Capture] = {}
     handles = []
     for k, sm in enumerate(smoothings):
-        st = recipe.stages[sm.stage]
+        st = job.recipe.stages[sm.stage]
         caps[k] = _Capture(st.max_tokens, total)
         first = layer.get_submodule(sm.targets[0].name[len(prefix):])
         handles.append(first.register_forward_pre_hook(lambda _m, args, c=caps[k]: c.add(args[0])))
@@ -110,22 +88,23 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
         for h in handles:
             h.remove()
 
-    results: dict[str, dict] = {}
+    results: dict[str, Transformed] = {}
     with torch.no_grad():
         for k, sm in enumerate(smoothings):
-            res = _apply_one(layer, prefix, sm, recipe, caps[k], prev_out.get(k), scale_dtype, quantized_names,
-                             capture)
+            stats, tensors = _apply_one(layer, prefix, sm, job, caps[k], prev_out.get(k), quantized_names)
             for i, t in enumerate(sm.targets):
-                entry = results.setdefault(t.name, {"smoothing": None, "tensors": {}})
-                entry["smoothing"] = res["stats"]
+                entry = results.setdefault(t.name, Transformed(stats))
+                entry.smoothing = stats
                 if i == 0:
-                    entry["tensors"].update(res["tensors"])
+                    entry.tensors.update(tensors)
     return results
 
 
-def _apply_one(layer, prefix, sm: Smoothing, recipe, cap: _Capture, prev_cap: _Capture | None,
-               scale_dtype, quantized_names, capture) -> dict:
-    st = recipe.stages[sm.stage]
+def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capture | None,
+               quantized_names) -> tuple[dict, dict[str, torch.Tensor]]:
+    st = job.recipe.stages[sm.stage]
+    method = TRANSFORMS[st.method]
+    scale_dtype = job.scale_dtype
     stats: dict = {"transform": st.method, "stage": sm.stage, "from": sm.prev}
     prev = layer.get_submodule(sm.prev)
     mods = [layer.get_submodule(t.name[len(prefix):]) for t in sm.targets]
@@ -134,27 +113,21 @@ def _apply_one(layer, prefix, sm: Smoothing, recipe, cap: _Capture, prev_cap: _C
     parent = layer.get_submodule(sm.targets[0].name[len(prefix):].rpartition(".")[0] or "")
     idx = channel_index(channels, mods[0].in_features, getattr(parent, "head_dim", None))
     if idx is None:
-        return {"stats": {**stats, "skipped": f"{channels} channels of {sm.prev} do not map onto "
-                          f"{mods[0].in_features} input columns"}, "tensors": {}}
+        return {**stats, "skipped": f"{channels} channels of {sm.prev} do not map onto "
+                f"{mods[0].in_features} input columns"}, {}
     x = cap.sample
     if prev_cap is not None:  # the spec says the norm feeds the targets: check it really does
         a, b = prev_cap.sample, x
         if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-8):
             raise ModelError(f"{prefix}{sm.prev}: the architecture spec says its output feeds "
                              f"{', '.join(t.name for t in sm.targets)}, but their input differs; fix the "
-                             "smoothing mappings of this model family in quantkit/models.py")
+                             "smoothing mappings of this model family in quantkit/model/arch.py")
     weights = [m.weight.detach().float() for m in mods]
     specs = [t.scheme.weights for t in sm.targets]
     acts = [t.scheme.activations for t in sm.targets]
-    if st.method == "awq":
-        r = awq_search(x, cap.abs_sum / cap.tokens, weights, specs, acts, idx, channels, st.grid,
-                       st.duo_scaling, scale_dtype)
-        s, applied = r.scales, r.alpha is not None
-        stats.update(alpha=r.alpha)
-    else:
-        r = smoothquant(x, cap.abs_max, weights, specs, acts, idx, channels, st.alpha, scale_dtype)
-        s, applied = r.scales, r.applied
-        stats.update(alpha=st.alpha, applied=r.applied)
+    r = method.choose_scales(cap.stats(), weights, specs, acts, idx, channels, st, scale_dtype)
+    s, applied = r.scales, r.applied
+    stats.update(r.stats)
     stats.update(error_before=float(f"{r.error_before:.6g}"), error_after=float(f"{r.error_after:.6g}"))
 
     tensors: dict[str, torch.Tensor] = {}
@@ -177,18 +150,15 @@ def _apply_one(layer, prefix, sm: Smoothing, recipe, cap: _Capture, prev_cap: _C
         for m in mods:
             m.weight.data = scale_columns(m.weight.detach(), s_eff[idx]).to(m.weight.dtype)
         stats["scale_range"] = [float(f"{float(s.min()):.4g}"), float(f"{float(s.max()):.4g}")]
-    if st.method == "awq" and st.clip:
+    if method.refine is not None:
         xs = x / s_eff[idx][None, :]
-        shrink = {}
+        named = [(t.name, m.weight.detach().float(), t.scheme.weights) for t, m in zip(sm.targets, mods)]
+        new_weights, extra = method.refine(xs, named, st, scale_dtype)
         for t, m in zip(sm.targets, mods):
-            if NO_CLIP.search(t.name):
-                continue
-            w, mean_r = awq_clip(xs, m.weight.detach().float(), t.scheme.weights, scale_dtype)
-            m.weight.data = w.to(m.weight.dtype)
-            shrink[t.name.rpartition(".")[2]] = round(mean_r, 4)
-        if shrink:
-            stats["clip_mean_ratio"] = shrink
-    if capture is not None:
+            if t.name in new_weights:
+                m.weight.data = new_weights[t.name].to(m.weight.dtype)
+        stats.update(extra)
+    if job.on_weight is not None:
         for name, tensor in tensors.items():
-            capture[name] = tensor.float().clone()
-    return {"stats": stats, "tensors": tensors}
+            job.on_weight(name, tensor.float().clone())
+    return stats, tensors

@@ -1,0 +1,60 @@
+"""The export: one folder vLLM serves as it is, written from the pipeline's work folder.
+
+`write_artifact` lays out, in a scratch folder the caller renames into place:
+- the safetensors shards: the stored tensors the quantization left alone, then the pipeline's (or QAT's)
+  compressed tensors and the float tensors a transform rewrote, streamed one tensor at a time;
+- config.json with the compressed-tensors `quantization_config` (one config group per stage);
+- the tokenizer and generation files, convert.log and any extra files (the QAT loss curve);
+- manifest.json, built by quantkit.export.manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from quantkit.export.compressed_tensors import quantization_config, write_config
+from quantkit.export.manifest import MANIFEST, build_manifest
+from quantkit.export.shards import refs_from_checkpoint, write_shards
+from quantkit.io import atomic_write_json, peak_rss_bytes
+from quantkit.model.checkpoint import LazyCheckpoint
+from quantkit.plan import Plan
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, produced: LazyCheckpoint, plan: Plan,
+                   stats: dict[str, dict], max_shard_bytes: int, extra_files: list[Path], manifest_facts: dict,
+                   started: float) -> dict:
+    """Write the artifact into the empty `export_dir`; returns its manifest.
+
+    `source` is the model's own checkpoint; `produced` the compressed tensors and rewritten float tensors
+    (the work folder's layer files, or QAT's export file); `stats` the per-module diagnostics;
+    `manifest_facts` what the manifest records of the run (see export.manifest.build_manifest), to which
+    the conversion's wall time since `started` (time.perf_counter) and its peak memory are added here,
+    once everything but the manifest is written.
+    """
+    produced_refs = refs_from_checkpoint(produced)
+    # the float weights the compressed tensors replace, and any stored tensor the pipeline rewrote
+    # (norm weights and biases a transform stage folded its scales into)
+    replaced = {m + ".weight" for m in stats} | {r.name for r in produced_refs}
+    kept = refs_from_checkpoint(source, [k for k in source.keys() if k not in replaced])
+    write_shards(export_dir, kept + produced_refs, max_shard_bytes)
+    write_config(model_dir / "config.json", export_dir, quantization_config(plan.config_groups(), plan.unquantized))
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, export_dir / name)
+    for f in extra_files:
+        shutil.copy2(f, export_dir / f.name)
+    for f in export_dir.iterdir():
+        f.chmod(0o644)
+    fmt = json.loads((export_dir / "config.json").read_text())["quantization_config"]["format"]
+    conversion = {"wall_time_s": round(time.perf_counter() - started, 2), "peak_rss_bytes": peak_rss_bytes(),
+                  **manifest_facts["conversion"]}
+    manifest = build_manifest(export_dir, plan=plan, stats=stats, fmt=fmt,
+                              **{**manifest_facts, "conversion": conversion})
+    atomic_write_json(export_dir / MANIFEST, manifest)
+    return manifest

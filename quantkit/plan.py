@@ -1,0 +1,193 @@
+"""The plan: recipe + architecture -> the work of every decoder layer, decided before any weight loads.
+
+This is the one place that matches module names against a recipe's `targets` / `ignore` patterns. It
+says, per layer:
+- which Linear each stage owns and with which scheme and method (`Target`), in true-sequential groups
+  (q/k/v -> o -> gate/up -> down), each with the module whose input the group shares;
+- which smoothing mappings (norm or Linear -> the Linears it feeds) a transform stage rescales;
+and, for the whole model, the compressed-tensors config groups the export declares and the Linears
+that stay in float. The pipeline, the transforms, QAT and the export all read this plan.
+
+A stage claims a module when its targets match and its ignore does not; the first quantizer stage
+that claims a module owns it. A `qat` stage fine-tunes what the stages before it produced; a module
+only a `qat` stage claims starts from round-to-nearest (QAT_START), which the plan records as the
+target's `method`, so nothing downstream guesses.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from quantkit.model.arch import ArchSpec
+from quantkit.recipe import Recipe
+from quantkit.schemes import Scheme, get_scheme
+
+QAT_START = "rtn"  # how a module that only a qat stage claims gets its starting point
+
+
+class ConvertError(RuntimeError):
+    """A conversion problem, phrased for the user (the stage or module, and the fix)."""
+
+
+def matches_pattern(patterns: list[str], name: str, cls_name: str) -> bool:
+    """A module matches a `targets`/`ignore` entry by full name, by class name, or by `re:<regex>` on its name."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == name or p == cls_name:
+            return True
+    return False
+
+
+def _claims(stage, name: str, cls_name: str) -> bool:
+    return matches_pattern(stage.targets, name, cls_name) and not matches_pattern(stage.ignore, name, cls_name)
+
+
+@dataclass
+class Target:
+    name: str  # full module name, e.g. model.layers.3.mlp.down_proj
+    stage: int  # the recipe stage that owns it
+    method: str  # the quantizer that produces its PTQ result (a qat stage's own modules: QAT_START)
+    scheme: Scheme
+    ct_scheme: object  # compressed-tensors QuantizationScheme
+
+
+@dataclass
+class Smoothing:
+    """One smoothing mapping of one layer, claimed by one transform stage."""
+
+    stage: int
+    prev: str  # local name in the layer: "input_layernorm", "self_attn.v_proj", ...
+    targets: list[Target]  # in the order of the architecture spec
+    norm_offset: float = 0.0  # the norm multiplies by (offset + weight): 1 for Gemma
+
+
+@dataclass
+class LayerPlan:
+    index: int
+    prefix: str  # "model.layers.3."
+    groups: list[list[Target]] = field(default_factory=list)  # true-sequential order
+    group_inputs: list[str] = field(default_factory=list)  # module hooked to see each group's input
+    smoothing: list[Smoothing] = field(default_factory=list)
+
+    @property
+    def targets(self) -> list[Target]:
+        return [t for members in self.groups for t in members]
+
+
+@dataclass
+class Plan:
+    layers: list[LayerPlan]
+    unquantized: list[str]  # Linears that stay in float (lm_head, ignored ones)
+
+    @property
+    def targets(self) -> dict[str, Target]:
+        return {t.name: t for layer in self.layers for t in layer.targets}
+
+    def config_groups(self) -> dict[str, object]:
+        """One compressed-tensors config group per stage that owns modules.
+
+        A single stage that quantizes every decoder Linear targets `Linear` (lm_head and any other kept
+        Linear are listed in `ignore`), the form every reader knows. With several stages each group lists
+        its modules as anchored regexes with explicit layer indices, so no group over-matches.
+        """
+        schemes: dict[int, object] = {}
+        names: dict[int, list[str]] = {}
+        for t in self.targets.values():
+            schemes.setdefault(t.stage, t.ct_scheme)
+            names.setdefault(t.stage, []).append(t.name)
+        if len(schemes) == 1:
+            (si, scheme), = schemes.items()
+            groups = {si: scheme.model_copy(update={"targets": ["Linear"]})}
+        else:
+            groups = {si: s.model_copy(update={"targets": exact_targets(names[si])}) for si, s in schemes.items()}
+        return {f"group_{si}": s for si, s in groups.items()}
+
+
+def stage_scheme(recipe: Recipe, i: int) -> Scheme:
+    st = recipe.stages[i]
+    return get_scheme(st.scheme).with_overrides(group_size=st.group_size, symmetric=st.symmetric)
+
+
+def _ct_actorder(stage) -> str | None:
+    return "group" if getattr(stage, "actorder", "none") == "group" else None
+
+
+def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
+    """Every layer's work; fails early on group sizes that do not divide, lm_head, or a recipe that
+    quantizes nothing."""
+    from quantkit.algorithms.rtn import check_divisible
+
+    layers = model.get_submodule(arch.layers)
+    ct_schemes: dict[int, object] = {}
+    plans = []
+    all_linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    quantized: set[str] = set()
+    for li in range(len(layers)):
+        prefix = f"{arch.layers}.{li}."
+        plan = LayerPlan(li, prefix)
+        for group in arch.sequential:
+            members = []
+            for local in group:
+                full = prefix + local
+                mod = model.get_submodule(full)
+                for si, st in enumerate(recipe.stages):
+                    if st.is_transform or not _claims(st, full, type(mod).__name__):
+                        continue  # transforms rescale; only quantizer stages own modules
+                    scheme = stage_scheme(recipe, si)
+                    check_divisible(scheme.weights, mod.in_features, full)
+                    if si not in ct_schemes:
+                        ct_schemes[si] = scheme.to_compressed_tensors(targets=[], actorder=_ct_actorder(st))
+                    method = QAT_START if st.method == "qat" else st.method
+                    members.append(Target(full, si, method, scheme, ct_schemes[si]))
+                    quantized.add(full)
+                    break
+            if members:
+                plan.groups.append(members)
+                plan.group_inputs.append(prefix + group[0])
+        plan.smoothing = plan_smoothing(arch, recipe, prefix, {t.name: t for t in plan.targets})
+        plans.append(plan)
+    for si, st in enumerate(recipe.stages):
+        for name in sorted(all_linear - quantized) if not st.is_transform else ():
+            if name.endswith("lm_head") and _claims(st, name, "Linear"):
+                raise ConvertError(f"stages[{si}]: quantizing lm_head is not supported; keep 'lm_head' in "
+                                f"stages[{si}].ignore")
+    if not quantized:
+        raise ConvertError("no module matches any stage's targets (check stages[*].targets and ignore)")
+    return Plan(plans, sorted(all_linear - quantized))
+
+
+def plan_smoothing(arch: ArchSpec, recipe: Recipe, prefix: str, quantized: dict[str, Target]) -> list[Smoothing]:
+    """The mappings of one layer each transform stage applies to (first matching transform wins).
+
+    A mapping applies only when every Linear it feeds is quantized by a later stage and matches the
+    transform's targets / ignore.
+    """
+    out, claimed = [], set()
+    for si, st in enumerate(recipe.stages):
+        if not st.is_transform:
+            continue
+        for prev, feeds in arch.smoothing:
+            if prev in claimed:
+                continue
+            names = [prefix + f for f in feeds]
+            if not all(n in quantized and _claims(st, n, "Linear") for n in names):
+                continue
+            claimed.add(prev)
+            out.append(Smoothing(si, prev, [quantized[n] for n in names], float(arch.extra.get("norm_offset", 0.0))))
+    return out
+
+
+def exact_targets(names: list[str]) -> list[str]:
+    """`model.layers.{0,1}.mlp.down_proj` -> `re:^model\\.layers\\.(?:0|1)\\.mlp\\.down_proj$`."""
+    pattern = re.compile(r"^(.*)\.(\d+)\.(.+)$")
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for n in names:
+        m = pattern.match(n)
+        grouped.setdefault((m.group(1), m.group(3)), []).append(int(m.group(2)))
+    return [f"re:^{re.escape(base)}\\.(?:{'|'.join(str(i) for i in sorted(idx))})\\.{re.escape(suffix)}$"
+            for (base, suffix), idx in sorted(grouped.items())]

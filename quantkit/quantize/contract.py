@@ -1,0 +1,64 @@
+"""The method contract: what the pipeline hands a method, and what a method hands back. Typed, so results
+pass between stages as dataclasses, never as dicts of dicts or tuples.
+
+A quantizer turns `(weights of one sequential group owned by one stage, Observations, WeightSpec, stage
+config, scale dtype)` into one `QuantizedWeight` per module. It declares what it needs in its registry
+entry (quantkit/quantize/methods.py): a Hessian of the group's inputs, or nothing.
+
+A transform turns the captured statistics of one smoothing mapping (`ChannelStats`) and the weights it
+feeds into `TransformScales`; the pipeline folds them into the preceding op, which leaves the float
+output unchanged. It may also refine the scaled weights after the fold (AWQ's clipping search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Observations:
+    """What a sequential group's calibration inputs taught, gathered chunk by chunk."""
+
+    hessian: torch.Tensor | None = None  # [in, in] fp32, over every calibration token (quantizers that need it)
+    sample: torch.Tensor | None = None  # [<= SQNR_TOKENS, in] the first calibration rows (diagnostics only)
+
+
+@dataclass
+class QuantizedWeight:
+    """One Linear's quantization: the dequantized weight the model now computes with, and its parameters."""
+
+    weight: torch.Tensor  # [out, in] fp32, exactly what the export decompresses to
+    scale: torch.Tensor  # [out, n_groups], values exactly representable in the storage dtype
+    zero_point: torch.Tensor | None = None  # [out, n_groups] integer-valued, asymmetric schemes only
+    g_idx: torch.Tensor | None = None  # [in] column -> group, only when the export must carry it
+    stats: dict = field(default_factory=dict)  # method diagnostics for the manifest (gptq_loss, damping)
+
+
+@dataclass
+class ChannelStats:
+    """A smoothing mapping's inputs over the calibration batch."""
+
+    sample: torch.Tensor  # [<= max_tokens, in] evenly spaced tokens
+    abs_mean: torch.Tensor  # [in] mean |x| over every token
+    abs_max: torch.Tensor  # [in] max |x| over every token
+
+
+@dataclass
+class TransformScales:
+    scales: torch.Tensor  # [channels] of the preceding op's output
+    applied: bool  # False: the method kept s = 1 (nothing is folded)
+    error_before: float  # the method's block error with s = 1
+    error_after: float  # ... with the chosen scales
+    stats: dict = field(default_factory=dict)  # method diagnostics (alpha, ...)
+
+
+@dataclass
+class ModuleResult:
+    """What the pipeline keeps of one quantized module: the export's tensors and the manifest's stats.
+    Float tensors a transform rewrote (a folded norm weight, a bias) travel in `tensors` too."""
+
+    name: str
+    stats: dict
+    tensors: dict[str, torch.Tensor]

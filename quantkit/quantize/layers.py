@@ -1,0 +1,315 @@
+"""The layer-sequential, memory-bounded, resumable conversion pipeline.
+
+For each decoder layer: load only that layer from the safetensors files, run the whole calibration
+batch through it once with a pre-hook on the first Linear of every sequential group (q/k/v -> o ->
+gate/up -> down). When the hook fires it has the group's real input (already shaped by the quantized
+groups before it), quantizes the group's weights on the spot through the registered method
+(quantkit/quantize/methods.py) and lets the forward go on with them, so one forward per layer
+observes, quantizes (true-sequential) and produces the next layer's input. The layer's results
+(typed `ModuleResult`s) and the next layer's input are then saved in the work folder, which is the
+resume point; the layer goes back to the meta device.
+
+Without calibration data (round-to-nearest only) no forward runs at all: weights are rounded layer by
+layer straight from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import greenlet
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.algorithms.gptq import HessianAccumulator
+from quantkit.algorithms.rtn import activation_pre_hook, output_sqnr_db, sqnr_db
+from quantkit.export.compressed_tensors import compress_linear
+from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
+from quantkit.model.arch import ArchSpec
+from quantkit.model.checkpoint import LazyCheckpoint, materialize, release
+from quantkit.plan import ConvertError, LayerPlan, Plan, Target
+from quantkit.quantize.contract import ModuleResult, Observations
+from quantkit.quantize.methods import QUANTIZERS
+from quantkit.quantize.transforms import apply_transforms
+from quantkit.quantize.workdir import WorkDir
+from quantkit.recipe import Recipe
+
+log = logging.getLogger("quantkit")
+SQNR_TOKENS = 4096  # calibration tokens for the output SQNR of stages without a Hessian (RTN)
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every layer of one conversion shares."""
+
+    recipe: Recipe
+    scale_dtype: torch.dtype  # the dtype scales (and rewritten float tensors) are stored in
+    # a public hook: called with every quantized module's dequantized weight and every float tensor a
+    # transform rewrote, under its parameter name (tools and tests that compare the export with the
+    # in-memory quantized model use it; it costs nothing when None)
+    on_weight: Callable[[str, torch.Tensor], None] | None = None
+
+
+# ------------------------------------------------------------------------------------------ layer work
+class GroupInputs:
+    """What a sequential group's quantizers need from its calibration inputs, gathered chunk by chunk:
+    the Hessian when a GPTQ stage owns a member, else the first SQNR_TOKENS rows for the diagnostic."""
+
+    def __init__(self, hessian: bool):
+        self.hessian = hessian
+        self.acc: HessianAccumulator | None = None
+        self._rows: list[torch.Tensor] = []
+        self._n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        if self.hessian:
+            if self.acc is None:
+                self.acc = HessianAccumulator(x2.shape[-1], device=x2.device)
+            self.acc.add(x2)
+        elif self._n < SQNR_TOKENS:
+            self._rows.append(x2[:SQNR_TOKENS - self._n].clone())
+            self._n += self._rows[-1].shape[0]
+
+    def observations(self) -> Observations:
+        return Observations(hessian=self.acc.H if self.acc is not None else None,
+                            sample=torch.cat(self._rows) if self._rows else None)
+
+
+def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], job: Job,
+                   obs: Observations | None) -> list[ModuleResult]:
+    """Quantize one sequential group in place (weights replaced by their dequantized values), each member
+    through its target's registered quantizer. `obs`: what the group's calibration inputs taught (None:
+    weights only, no calibration)."""
+    out: list[ModuleResult] = []
+    by_stage: dict[int, list[Target]] = {}
+    for t in members:
+        by_stage.setdefault(t.stage, []).append(t)
+    obs = obs or Observations()
+    for si, targets in by_stage.items():
+        method = QUANTIZERS[targets[0].method]
+        mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
+        if method.needs == "hessian" and obs.hessian is None:
+            raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
+        t0 = time.perf_counter()
+        pieces = method.quantize([m.weight.detach().float() for m in mods], obs, targets[0].scheme.weights,
+                                 job.recipe.stages[si], job.scale_dtype)
+        elapsed = time.perf_counter() - t0
+        for t, m, q in zip(targets, mods, pieces):
+            w = m.weight.detach().float()
+            stats = {"stage": si, "method": t.method, "scheme": t.scheme.name,
+                     "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(elapsed / len(mods), 4),
+                     **q.stats}
+            if obs.hessian is not None:  # exact over every calibration token
+                stats["output_sqnr_db"] = round(output_sqnr_db(w, q.weight, obs.hessian), 3)
+            elif obs.sample is not None:
+                xs = obs.sample
+                stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ q.weight.t()), 3)
+            tensors = compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, job.scale_dtype)
+            m.weight.data = q.weight.to(m.weight.dtype)
+            if job.on_weight is not None:
+                job.on_weight(t.name, q.weight.detach().cpu().clone())
+            out.append(ModuleResult(t.name, stats, tensors))
+    return out
+
+
+class _Chunk(greenlet.greenlet):
+    """One calibration chunk's forward through a layer, as a coroutine (a greenlet).
+
+    It runs between `step()` (called by the scheduler) and the next `pause()` (called from a hook inside
+    the forward) or the end of the forward, then control is back with the scheduler. Coroutines rather
+    than threads: everything stays on the caller's thread, so torch's thread-local state (grad mode,
+    thread count) is the scheduler's and no thread is left behind when a layer fails.
+    """
+
+    def __init__(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict):
+        super().__init__()
+        self.layer, self.hidden, self.kwargs = layer, hidden, kwargs
+        self.output: torch.Tensor | None = None
+
+    def run(self) -> None:
+        out = self.layer(self.hidden, **self.kwargs)
+        self.output = out[0] if isinstance(out, tuple) else out
+
+    def step(self) -> None:
+        """Run this chunk until its next pause or its end; what its forward raises is raised here."""
+        if not self.dead:
+            self.switch()
+
+    def abort(self) -> None:
+        if self and not self.dead:  # started and paused: unwind its forward
+            self.throw(greenlet.GreenletExit)
+
+
+def _pause_chunk() -> None:
+    current = greenlet.getcurrent()
+    if isinstance(current, _Chunk):
+        current.parent.switch()
+
+
+def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor | None,
+              layer_kwargs: dict[int, dict] | None) -> tuple[list[ModuleResult], torch.Tensor | None]:
+    """Quantize one layer; return its results and the next layer's input.
+
+    With calibration data, the batch goes through the layer in chunks of `calibration.batch_size`
+    samples (`layer_kwargs` maps a chunk's batch size to the layer's keyword arguments). Every chunk
+    stops at the input of each sequential group in turn; once all have added their inputs to the
+    group's statistics, the group is quantized and the chunks go on with the quantized weights. So one
+    forward per layer still observes, quantizes (true-sequential) and propagates, while only one
+    chunk's intermediate tensors are being computed at a time.
+    """
+    results: list[ModuleResult] = []
+    if hidden is None:  # weights only: no calibration forward
+        for members in plan.groups:
+            results += quantize_group(layer, plan.prefix, members, job, None)
+        return results, None
+
+    pieces = [(h, layer_kwargs[h.shape[0]]) for h in hidden.split(job.recipe.calibration.batch_size)]  # views
+    # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
+    quantized = {t.name for t in plan.targets}
+    smoothed = apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized) if plan.smoothing else {}
+    inputs = [GroupInputs(any(QUANTIZERS[t.method].needs == "hessian" for t in members)) for members in plan.groups]
+    handles = []
+    for g, (members, hooked) in enumerate(zip(plan.groups, plan.group_inputs)):
+        mod = layer.get_submodule(hooked[len(plan.prefix):])
+
+        def pre_hook(_m, args, g=g):
+            inputs[g].add(args[0])
+            _pause_chunk()
+
+        handles.append(mod.register_forward_pre_hook(pre_hook))
+        # what the engine does at run time: dynamic per-token activation quantization (W8A8, FP8)
+        for t in members:
+            if t.scheme.activations is not None:
+                handles.append(layer.get_submodule(t.name[len(plan.prefix):]).register_forward_pre_hook(
+                    activation_pre_hook(t.scheme.activations)))
+    chunks = [_Chunk(layer, h, kw) for h, kw in pieces]
+    out = torch.empty_like(hidden)
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # for the chunks too: they run on this thread
+    try:
+        for g, members in enumerate(plan.groups):
+            for c in chunks:
+                c.step()  # to group g's input
+            results += quantize_group(layer, plan.prefix, members, job, inputs[g].observations())
+            inputs[g] = None
+        row = 0
+        for c in chunks:
+            c.step()  # to the end of the layer
+            out[row:row + c.hidden.shape[0]] = c.output
+            row += c.hidden.shape[0]
+            c.output = None
+    finally:
+        for c in chunks:
+            c.abort()
+        for h in handles:
+            h.remove()
+        torch.set_grad_enabled(grad)
+    for r in results:  # diagnostics and folded float tensors travel with the target
+        if r.name in smoothed:
+            r.stats["smoothing"] = smoothed[r.name].smoothing
+            r.tensors.update(smoothed[r.name].tensors)
+    return results, out
+
+
+# ------------------------------------------------------------------------------------- layer inputs
+def capture_layer_inputs(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, input_ids: torch.Tensor,
+                         dtype: torch.dtype, batch_size: int) -> tuple[torch.Tensor, dict[int, list[dict]]]:
+    """Run the embedding (and whatever precedes the layers) once, in chunks of `batch_size` samples.
+
+    Returns the first layer's input for the whole batch and, for each chunk size that occurs, every
+    layer's keyword arguments (position embeddings, masks) as the model builds them for that size.
+    """
+    layers = model.get_submodule(arch.layers)
+    embed = model.get_submodule(arch.embed)
+    materialize(embed, arch.embed + ".", ckpt, dtype)
+    kwargs_by_size: dict[int, list[dict]] = {}
+    first_hidden: list[torch.Tensor] = []
+
+    class Recorder(nn.Module):
+        def __init__(self, idx: int, inner: nn.Module):
+            super().__init__()
+            self.idx, self.inner = idx, inner
+            self.attention_type = getattr(inner, "attention_type", None)
+
+        def forward(self, hidden_states, *args, **kwargs):
+            if args:
+                raise ConvertError("decoder layers called with positional arguments are not supported")
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+            kw["use_cache"] = False
+            recorded[self.idx] = kw
+            if self.idx == 0:
+                first_hidden.append(hidden_states.to(dtype))
+            if self.idx == len(layers) - 1:
+                raise _StopForward
+            return hidden_states
+
+    originals = list(layers)
+    for i in range(len(layers)):
+        layers[i] = Recorder(i, originals[i])
+    try:
+        for ids in input_ids.split(batch_size):  # [<= batch_size, seq]
+            recorded: list[dict] = [None] * len(layers)  # type: ignore[list-item]
+            try:
+                with torch.no_grad():
+                    model.get_submodule(arch.layers.rsplit(".", 1)[0])(input_ids=ids, use_cache=False)
+            except _StopForward:
+                pass
+            kwargs_by_size.setdefault(ids.shape[0], recorded)
+    finally:
+        for i in range(len(layers)):
+            layers[i] = originals[i]
+        release(embed)
+    return torch.cat(first_hidden), kwargs_by_size
+
+
+# ------------------------------------------------------------------------------------------- the loop
+def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plan: Plan, job: Job, work: WorkDir,
+                   start: int, input_ids: torch.Tensor | None, device: torch.device, quiet: bool = False) -> None:
+    """Every layer from `start` on, each saved in `work` as it finishes (the resume point)."""
+    compute = torch.float32
+    keep_large_allocations_off_the_heap()
+    layers = model.get_submodule(arch.layers)
+    hidden, layer_kwargs = None, None
+    if input_ids is not None:
+        first, by_size = capture_layer_inputs(model, arch, ckpt, input_ids, compute, job.recipe.calibration.batch_size)
+        hidden = first if start == 0 else work.hidden(start)
+        del first
+        hidden = hidden.to(device)
+        layer_kwargs = [{size: _to_device(kws[i], device, compute) for size, kws in by_size.items()}
+                        for i in range(len(layers))]
+    bar = tqdm(range(start, len(layers)), desc="layers", unit="layer", disable=quiet, initial=start,
+               total=len(layers))
+    for i in bar:
+        t0 = time.perf_counter()
+        layer = layers[i]
+        lp = plan.layers[i]
+        materialize(layer, lp.prefix, ckpt, compute, device)
+        results, hidden = run_layer(layer, lp, job, hidden, layer_kwargs[i] if layer_kwargs else None)
+        release(layer)
+        work.save_layer(i, results, hidden.cpu() if hidden is not None else None)
+        worst = min((r.stats.get("output_sqnr_db", r.stats["weight_sqnr_db"]) for r in results), default=float("nan"))
+        loss = sum(r.stats.get("gptq_loss", 0.0) for r in results)
+        bar.set_postfix_str(f"min SQNR {worst:.1f} dB" + (f", GPTQ loss {loss:.3g}" if loss else ""))
+        log.info("layer %d done in %.2fs: min SQNR %.2f dB%s", i, time.perf_counter() - t0, worst,
+                 f", GPTQ loss {loss:.4g}" if loss else "")
+        del results
+        release_free_memory()
+
+
+def _to_device(obj, device, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device=device, dtype=dtype) if obj.is_floating_point() else obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(o, device, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device, dtype) for k, v in obj.items()}
+    return obj
