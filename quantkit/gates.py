@@ -40,25 +40,20 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from quantkit.evaluate.metrics import fmt_value
+from quantkit.evaluate.report import EVAL_DIR, REPORT_FILE, default_report_path
+from quantkit.evaluate.report import SCHEMA as REPORT_SCHEMA
 from quantkit.io import atomic_write_json, atomic_write_text, sha256_file
 from quantkit.recipe import GateSpec
 
-REPORT_SCHEMA = "quantkit.report/1"
 GATE_SCHEMA = "quantkit.gate/1"
 GATE_FILE = "gate.json"
-REPORT_FILE = "report.json"
-EVAL_DIR = "eval"  # the eval's default output folder inside an artifact (align with `quantkit eval` here)
 
 _OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 
 class GateError(ValueError):
     """A problem with the report or gate file itself (not a failing gate), phrased with the fix."""
-
-
-def default_report_path(artifact: str | Path) -> Path:
-    """Where `quantkit eval` writes an artifact's report by default: <artifact>/eval/report.json."""
-    return Path(artifact) / EVAL_DIR / REPORT_FILE
 
 
 def resolve_report_path(path: str | Path) -> Path:
@@ -274,17 +269,11 @@ def check_gate_file(report_path: Path) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- output
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.4e}"
-
-
 def format_table(gr: GateReport) -> str:
     rows = [("gate", "baseline", "candidate", "compared", "threshold", "result")]
     for r in gr.results:
-        rows.append((r.name, _fmt(r.baseline), _fmt(r.candidate),
-                     (_fmt(r.value) + (" (ratio)" if r.relative else "")) if r.value is not None else "-",
+        rows.append((r.name, fmt_value(r.baseline), fmt_value(r.candidate),
+                     (fmt_value(r.value) + (" (ratio)" if r.relative else "")) if r.value is not None else "-",
                      f"{r.op} {r.threshold:g}", "pass" if r.passed else "FAIL"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -307,8 +296,8 @@ def junit_xml(gr: GateReport) -> str:
         ET.SubElement(props, "property", name=k, value=v)
     for r in gr.results:
         case = ET.SubElement(suite, "testcase", classname=f"quantkit.gates.{name}", name=r.name, time="0")
-        out = (f"metric={r.metric} baseline={_fmt(r.baseline)} candidate={_fmt(r.candidate)} "
-               f"compared={_fmt(r.value)} {r.op} {r.threshold:g}: {r.reason}")
+        out = (f"metric={r.metric} baseline={fmt_value(r.baseline)} candidate={fmt_value(r.candidate)} "
+               f"compared={fmt_value(r.value)} {r.op} {r.threshold:g}: {r.reason}")
         if not r.passed:
             ET.SubElement(case, "failure", message=r.reason, type="GateFailed").text = out
         ET.SubElement(case, "system-out").text = out

@@ -43,7 +43,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    """JSON written atomically (temp + rename); values JSON has no type for (paths) are written as str."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from quantkit.evaluate.report import METRIC_PATTERNS
 from quantkit.quantize.methods import QUANTIZERS, STAGE_CLASSES
 from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES
@@ -151,18 +152,6 @@ class EvalSpec(Strict):
     ready_timeout_s: float = Field(600.0, gt=0, description="engine start limit")
     variants: list[VariantSpec] = Field(default_factory=list)
     price_per_hour: float | None = Field(None, ge=0, description="USD per hour of the serving machine")
-
-
-# Metric names a gate may name, as an explicit registry of patterns (the families report.json uses).
-# A name that fits a family but is absent from a report still fails at gate time, saying which names exist.
-METRIC_PATTERNS = (
-    r"quality\.[a-z0-9_]+",                        # quality.perplexity, quality.kl_mean, quality.top1_agreement
-    r"tasks\.[a-z0-9_]+",                           # tasks.mean_acc, tasks.success_rate
-    r"tasks\.[A-Za-z0-9_.-]+\.[a-z0-9_]+",        # tasks.<task>.acc
-    r"speed\.(c[0-9]+|r[0-9]+(\.[0-9]+)?)\.[a-z0-9_]+",  # speed.c4.tpot_ms_p90 (concurrency), speed.r2.* (rate)
-    r"memory\.[a-z0-9_]+",                          # memory.weight_bytes, memory.kv_cache_tokens
-    r"cost\.[a-z0-9_]+",                            # cost.usd_per_mtok_output
-)
 
 
 class GateSpec(Strict):

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from quantkit.export.manifest import MANIFEST, SCHEMA, file_table, read_manifest
-from quantkit.gates import REPORT_SCHEMA, default_report_path
+from quantkit.evaluate.report import SCHEMA as REPORT_SCHEMA
+from quantkit.evaluate.report import default_report_path
 from quantkit.io import atomic_write_json
 
 GOOD_METRICS = {

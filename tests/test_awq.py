@@ -55,11 +55,18 @@ def test_awq_lowers_block_error_vs_rtn_on_outlier_inputs():
     assert awq_err < 0.8 * rtn_err
 
 
-def test_awq_never_worse_than_rtn_without_outliers():
+def test_awq_scales_up_the_known_outlier_channel():
+    """An independent expectation: with one input channel carrying far larger activations than the rest,
+    AWQ must choose a positive exponent and give that channel the largest scale (its weight column gets
+    the finest quantization steps), well above the typical channel."""
     torch.manual_seed(1)
-    w, x = torch.randn(32, 64) * 0.05, torch.randn(512, 64)
-    r = awq_search(x, x.abs().mean(0), [w], [W4G32], [None], torch.arange(64), 64, grid=5)
-    assert r.error_after <= r.error_before
+    w = torch.randn(32, 64) * 0.05
+    x = torch.randn(1024, 64)
+    x[:, 5] *= 30.0
+    r = awq_search(x, x.abs().mean(0), [w], [W4G32], [None], torch.arange(64), 64, grid=10)
+    assert r.alpha is not None and r.alpha > 0
+    assert int(r.scales.argmax()) == 5 and float(r.scales[5]) > 2 * float(r.scales.median())
+    assert r.error_after < 0.5 * r.error_before  # and it pays: the block error drops by half or more
 
 
 def test_awq_clip_lowers_output_error():

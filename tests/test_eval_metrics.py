@@ -19,7 +19,7 @@ from quantkit.evaluate.speed import build_workload, percentile, summarize_level
 from quantkit.evaluate.suite import load_suite
 from quantkit.evaluate.tasks import primary_metric, summarize_results
 from quantkit.recipe import EvalSpec, RecipeError
-from quantkit.report import SCHEMA, write_report
+from quantkit.evaluate.report import SCHEMA, write_report
 
 
 # ------------------------------------------------------------------------------------- percentiles
@@ -238,6 +238,14 @@ def test_metrics_contract_and_report_rendering(tmp_path):
     assert table["quality.perplexity"] == {"baseline": 10.0, "candidate": 10.5, "unit": "ppl", "higher_is_better": False}
     assert table["quality.top1_agreement"]["baseline"] == 1.0 and table["quality.kl_mean"]["baseline"] == 0.0
     assert metrics_table(None, cand, None)["quality.perplexity"]["baseline"] is None
+    # every name the table writes is one a recipe's gate may name (the report owns the families)
+    import re
+
+    from quantkit.evaluate.report import METRIC_PATTERNS
+
+    rated = dict(cand, speed={**cand["speed"], "r2.5": cand["speed"]["c4"]})  # an open-loop level too
+    for name in metrics_table(base, rated, price_per_hour=1.0):
+        assert any(re.fullmatch(p, name) for p in METRIC_PATTERNS), name
 
     context = {"artifact": {"path": "/a", "name": "art", "quantization": {"stages": [{"method": "rtn", "scheme": "W8A8"}],
                                                                           "format": "int-quantized"}},

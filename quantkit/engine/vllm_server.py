@@ -1,7 +1,7 @@
 """Start vLLM's OpenAI-compatible server for one model, wait until it answers, and always stop it.
 
 Why one server per model, and no offline `vllm.LLM` engine for quality: an engine start costs 30-90 s
-on a small CPU machine, and the issue's stronger rule is "one engine per model, reused for every
+on a small CPU machine, and the design rule is "one engine per model, reused for every
 measurement". vLLM's completions endpoint returns prompt log-probabilities (`prompt_logprobs=K` with
 token-id prompts, `max_tokens=1`), which is exactly what perplexity and top-k divergence need, from
 the same weights, kernels and numerics that serve traffic. So quality, lm-eval tasks and speed all go

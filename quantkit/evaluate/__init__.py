@@ -4,7 +4,8 @@ Entry point: `run_eval(artifact, baseline=None, suite=None, output=None, ...) ->
 folder; default `<artifact>/eval`). Modules: suite (which EvalSpec runs),
 quality (perplexity, top-1 agreement, top-k KL), tasks (lm-eval via local-completions), speed
 (seeded streaming workload), memory, metrics (the flat report table and cost), diagnose ("where the
-wait is"), plots, run (orchestration). Engines live in quantkit.engine; the report in quantkit.report.
+wait is"), plots, report (report.json / report.md; owns the schema, paths and metric names), run
+(orchestration). Engines live in quantkit.engine.
 """
 
 from __future__ import annotations

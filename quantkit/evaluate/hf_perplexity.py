@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
+from quantkit.evaluate.quality import windows
+
 
 def token_windows(text: str, tokenizer, window: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """The engine eval's windows (quantkit.evaluate.quality.windows), as tensors."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if max_tokens:
-        ids = ids[:max_tokens]
-    return [torch.tensor(ids[s:s + window]) for s in range(0, len(ids) - 1, window) if len(ids[s:s + window]) > 1]
+    return [torch.tensor(w) for w in windows(ids, window, max_tokens)]
 
 
 @torch.no_grad()

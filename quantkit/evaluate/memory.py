@@ -13,14 +13,8 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
-# safetensors dtype -> bytes per element
-_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
-_FLOAT = {"F64", "F32", "F16", "BF16"}
 _TORCH_SIZES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -28,25 +22,22 @@ def checkpoint_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
-def safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))  # little-endian u64 header length
-        return json.loads(f.read(n))
-
-
 def tensor_bytes(model_dir: Path, compute_dtype: str | None = None) -> int:
-    """Sum over tensors of numel x element size; float tensors at `compute_dtype` when given."""
+    """Sum over tensors of numel x element size; 16/32/64-bit float tensors at `compute_dtype` when given
+    (read from the headers through the one safetensors reader, quantkit.model.checkpoint.LazyCheckpoint)."""
+    from quantkit.export.shards import FLOAT_CODES, element_size
+    from quantkit.model.checkpoint import LazyCheckpoint
+
     float_size = _TORCH_SIZES.get(compute_dtype or "")
+    ckpt = LazyCheckpoint(Path(model_dir))
     total = 0
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        for name, meta in safetensors_header(f).items():
-            if name == "__metadata__":
-                continue
-            numel = 1
-            for d in meta["shape"]:
-                numel *= d
-            size = float_size if (float_size and meta["dtype"] in _FLOAT) else _ST_SIZES.get(meta["dtype"], 1)
-            total += numel * size
+    for key in ckpt.keys():
+        code, shape = ckpt.layout(key)
+        numel = 1
+        for d in shape:
+            numel *= d
+        wide_float = code in FLOAT_CODES and not code.startswith("F8")
+        total += numel * (float_size if (float_size and wide_float) else element_size(code))
     return total
 
 

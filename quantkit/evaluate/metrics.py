@@ -25,6 +25,28 @@ def _get(d: dict | None, *path, default=None) -> Any:
     return d
 
 
+def fmt_value(x) -> str:
+    """A metric value for a table: 4 significant digits (scientific from a million), '-' for none."""
+    if x is None:
+        return "-"
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.4e}"
+    return str(x)
+
+
+def recovery(metric: dict) -> float | None:
+    """How much of the baseline's quality the candidate keeps, whatever the metric's direction: 1.0 = as
+    good as the baseline, below 1 worse, above 1 better (candidate / baseline when higher is better,
+    baseline / candidate when lower is better). None where it is undefined (a missing value, or a zero
+    in the denominator). The one meaning of "recovery" in reports, gates and model cards."""
+    b, c = metric.get("baseline"), metric.get("candidate")
+    if not isinstance(b, (int, float)) or not isinstance(c, (int, float)):
+        return None
+    if metric.get("higher_is_better", True):
+        return c / b if b else None
+    return b / c if c else None
+
+
 def task_success_rate(tasks: dict | None) -> float | None:
     rows = (tasks or {}).get("tasks") or {}
     items = sum(r["items"] for r in rows.values())

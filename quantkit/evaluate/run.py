@@ -14,7 +14,6 @@ caches live in cache/ during the run and are removed at the end (scratch, not ev
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -32,16 +31,8 @@ from quantkit.evaluate.speed import build_workload, run_speed
 from quantkit.evaluate.suite import load_suite, resolve_file
 from quantkit.evaluate.tasks import TaskError, run_tasks
 from quantkit.hardware import hardware
+from quantkit.io import atomic_write_json
 from quantkit.recipe import EvalSpec
-
-
-def default_output(artifact: Path) -> Path:
-    return Path(artifact) / "eval"
-
-
-def _write_json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
 
 
 class _Side:
@@ -60,8 +51,8 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
     """Evaluate an artifact against its baseline; returns the report folder (see the module docstring)."""
     from transformers import AutoTokenizer
 
+    from quantkit.evaluate.report import default_output, write_report
     from quantkit.export.manifest import read_manifest
-    from quantkit.report import write_report
 
     t_start = time.perf_counter()
     # the API boundary: every path below (engine command, report, raw files) is absolute
@@ -116,7 +107,7 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
                 BC.store(cache[0], cache[1], side.data, side.quality, output)
         if side.role == "baseline":
             base_quality = side.quality
-        _write_json(output / "raw" / f"{side.role}.json", side.data)
+        atomic_write_json(output / "raw" / f"{side.role}.json", side.data)
 
     variants = []
     cand = sides[-1]
@@ -129,7 +120,7 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
         _measure(vs, spec, output, tokenizer, tok_dir, items, warmup, None, served_model, progress,
                  extra_args=v.engine_args, speed_only=True)
         vs.data["variant"] = {"name": v.name, "engine_args": v.engine_args}
-        _write_json(output / "raw" / f"{vs.role}.json", vs.data)
+        atomic_write_json(output / "raw" / f"{vs.role}.json", vs.data)
         variants.append(vs.data)
 
     context = {"artifact": {"path": str(artifact) if artifact else None, "name": name,
@@ -199,7 +190,7 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         proc = engine.monitor.snapshot() if hasattr(engine, "monitor") else None
         d["memory"] = memory_figures(side.model_dir if not side.url else None, ep.info, kv_metrics, proc)
     d["timings"] = timings
-    _write_json(output / "raw" / f"{side.role}.json", d)
+    atomic_write_json(output / "raw" / f"{side.role}.json", d)
 
 
 def _quality(side: _Side, spec: EvalSpec, ep, tokenizer, base_quality, progress) -> dict:
@@ -223,4 +214,4 @@ def _quality(side: _Side, spec: EvalSpec, ep, tokenizer, base_quality, progress)
     return out
 
 
-__all__ = ["run_eval", "default_output", "EngineError"]
+__all__ = ["run_eval", "EngineError"]

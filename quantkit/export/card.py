@@ -17,24 +17,10 @@ import re
 
 import yaml
 
+from quantkit.evaluate.metrics import fmt_value, recovery
+
 SERVE_CMD = "python -m vllm.entrypoints.openai.api_server --model {dir} --host 127.0.0.1 --port 8000"
 _FAMILY_ORDER = ("quality", "tasks", "memory", "speed", "cost")
-
-
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.4e}"
-    return str(x)
-
-
-def recovery(metric: dict) -> float | None:
-    """1.0 = baseline quality; < 1 worse; > 1 better, whatever the metric's direction."""
-    b, c = metric.get("baseline"), metric.get("candidate")
-    if not isinstance(b, (int, float)) or not isinstance(c, (int, float)) or b == 0 or c == 0:
-        return None
-    return c / b if metric.get("higher_is_better", True) else b / c
 
 
 def _sort_key(name: str) -> tuple:
@@ -48,8 +34,8 @@ def eval_table(report: dict | None) -> str:
     lines = ["| metric | unit | baseline | candidate | recovery |", "|---|---|---:|---:|---:|"]
     for name in sorted(report["metrics"], key=_sort_key):
         m = report["metrics"][name] or {}
-        lines.append(f"| {name} | {m.get('unit', '')} | {_fmt(m.get('baseline'))} | {_fmt(m.get('candidate'))} "
-                     f"| {_fmt(recovery(m))} |")
+        lines.append(f"| {name} | {m.get('unit', '')} | {fmt_value(m.get('baseline'))} | {fmt_value(m.get('candidate'))} "
+                     f"| {fmt_value(recovery(m))} |")
     return "\n".join(lines) + "\n\nRecovery: 1.0 = as good as the baseline, below 1.0 = worse (direction-aware).\n"
 
 
@@ -59,7 +45,7 @@ def gate_table(gate: dict | None) -> str:
     lines = [f"**{gate.get('summary', '?')}** (gates from {gate.get('source', '?')})", "",
              "| gate | compared | result | reason |", "|---|---:|---|---|"]
     for g in gate.get("gates", []):
-        lines.append(f"| {g['name']} | {_fmt(g.get('value'))} | {'pass' if g.get('passed') else 'FAIL'} "
+        lines.append(f"| {g['name']} | {fmt_value(g.get('value'))} | {'pass' if g.get('passed') else 'FAIL'} "
                      f"| {g.get('reason', '')} |")
     return "\n".join(lines) + "\n"
 
@@ -90,7 +76,7 @@ def render_card(manifest: dict, report: dict | None = None, gate: dict | None = 
         ("base model fingerprint", f"`{base.get('fingerprint', '-')}`"),
         ("method / scheme", scheme_txt),
         ("format", q.get("format", "-")),
-        ("modules quantized", _fmt(q.get("modules_quantized"))),
+        ("modules quantized", fmt_value(q.get("modules_quantized"))),
         ("modules kept in full precision", ", ".join(q.get("modules_kept") or []) or "-"),
         ("calibration", "none (data-free)" if not cal else
          f"{cal.get('num_samples')} x {cal.get('seq_len')} tokens, fingerprint `{cal.get('fingerprint')}`"),

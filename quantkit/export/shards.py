@@ -26,8 +26,15 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
 CODES = {v: k for k, v in DTYPES.items()}
+FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if v.is_floating_point)
+
+
+def element_size(code: str) -> int:
+    """Bytes per element of a safetensors dtype code."""
+    return torch.empty((), dtype=DTYPES[code]).element_size()
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,7 @@ class TensorRef:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return element_size(self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from quantkit.export.card import render_card
 from quantkit.export.manifest import MANIFEST, read_manifest, verify
-from quantkit.gates import GateError, check_gate_file, default_report_path, gate_path, read_report
+from quantkit.evaluate.report import default_report_path
+from quantkit.gates import GateError, check_gate_file, gate_path, read_report
 from quantkit.io import atomic_write_text, sha256_file
 
 REPORT_IN_VERSION = "quantkit/report.json"

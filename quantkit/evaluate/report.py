@@ -1,5 +1,8 @@
 """The eval report: report.json (schema quantkit.report/1), report.md and PNG plots.
 
+This module owns the report's facts: its schema, where it lives (REPORT_FILE in EVAL_DIR of an
+artifact), and the metric names a gate may use (METRIC_PATTERNS). Gates and recipes import them.
+
 report.json top level: schema, created, artifact {path, name, quantization, size_bytes}, baseline
 {path, url}, engine {name, version, dtype, baseline/candidate engine facts}, hardware, workload,
 generation, suite, metrics (flat: name -> {baseline, candidate, unit, higher_is_better}; the contract
@@ -13,12 +16,34 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from quantkit.evaluate.diagnose import where_the_wait_is
-from quantkit.evaluate.metrics import cost_figures, delta, metrics_table
-from quantkit.evaluate.plots import plot_latency, plot_quality, plot_throughput
+from quantkit.evaluate.metrics import cost_figures, delta, metrics_table, recovery
 from quantkit.io import atomic_write_json, atomic_write_text
 
 SCHEMA = "quantkit.report/1"
+REPORT_FILE = "report.json"
+EVAL_DIR = "eval"  # `quantkit eval ARTIFACT` writes into ARTIFACT/eval; `quantkit gate ARTIFACT` reads there
+
+# Metric names a gate may name, as an explicit registry of patterns: the families `metrics_table` writes
+# (tests/test_eval_metrics.py checks every name it produces fits one). Recipes validate gates against these.
+# A name that fits a family but is absent from a report still fails at gate time, saying which names exist.
+METRIC_PATTERNS = (
+    r"quality\.[a-z0-9_]+",                        # quality.perplexity, quality.kl_mean, quality.top1_agreement
+    r"tasks\.[a-z0-9_]+",                           # tasks.mean_acc, tasks.success_rate
+    r"tasks\.[A-Za-z0-9_.-]+\.[a-z0-9_]+",        # tasks.<task>.acc
+    r"speed\.(c[0-9]+|r[0-9]+(\.[0-9]+)?)\.[a-z0-9_]+",  # speed.c4.tpot_ms_p90 (concurrency), speed.r2.* (rate)
+    r"memory\.[a-z0-9_]+",                          # memory.weight_bytes, memory.kv_cache_tokens
+    r"cost\.[a-z0-9_]+",                            # cost.usd_per_mtok_output
+)
+
+
+def default_output(artifact: str | Path) -> Path:
+    """The eval folder of an artifact: <artifact>/eval."""
+    return Path(artifact) / EVAL_DIR
+
+
+def default_report_path(artifact: str | Path) -> Path:
+    """Where `quantkit eval` writes an artifact's report by default: <artifact>/eval/report.json."""
+    return default_output(artifact) / REPORT_FILE
 
 
 def _strip_records(side: dict | None) -> dict | None:
@@ -32,13 +57,13 @@ def _strip_records(side: dict | None) -> dict | None:
 
 
 def build_report(context: dict, baseline: dict | None, candidate: dict, variants: list[dict]) -> dict:
+    from quantkit.evaluate.diagnose import where_the_wait_is
+
     suite = context["suite"]
     price = suite.get("price_per_hour")
     metrics = metrics_table(baseline, candidate, price)
-    recovery = {}
-    for name, m in metrics.items():
-        if name.startswith("tasks.") and m["baseline"] and m["candidate"] is not None:
-            recovery[name] = m["candidate"] / m["baseline"]
+    recovered = {name: recovery(m) for name, m in metrics.items() if name.startswith("tasks.")}
+    recovered = {name: r for name, r in recovered.items() if r is not None}
     eng_c = candidate.get("engine") or {}
     work = suite["workload"]
     items = context.get("workload_items") or []
@@ -66,7 +91,7 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
                                  "decoding": "as each task YAML says (greedy for generation tasks)"}},
         "suite": suite,
         "metrics": metrics,
-        "recovery": recovery,
+        "recovery": recovered,
         "cost": {"price_per_hour": price, "baseline": cost_figures(baseline, price),
                  "candidate": cost_figures(candidate, price)},
         "where_the_wait_is": {role: where_the_wait_is(side, role, kv_gib)
@@ -78,6 +103,8 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
 
 
 def write_report(output: Path, context: dict, baseline: dict | None, candidate: dict, variants: list[dict]) -> dict:
+    from quantkit.evaluate.plots import plot_latency, plot_quality, plot_throughput
+
     report = build_report(context, baseline, candidate, variants)
     plots = output / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -85,7 +112,7 @@ def write_report(output: Path, context: dict, baseline: dict | None, candidate: 
     made = [p for p in (plot_latency(sides, plots / "latency.png"), plot_throughput(sides, plots / "throughput.png"),
                         plot_quality(report["metrics"], plots / "quality.png")) if p is not None]
     report["plots"] = [str(p.relative_to(output)) for p in made]
-    atomic_write_json(output / "report.json", report)
+    atomic_write_json(output / REPORT_FILE, report)
     atomic_write_text(output / "report.md", render_markdown(report))
     return report
 

@@ -1,4 +1,4 @@
-"""`quantkit` command line: thin typer adapters, each calling one function of quantkit.api.
+"""Commands to make artifacts: convert, inspect, capability, recipes, models. Each calls quantkit.api.
 
 Examples:
     quantkit models fetch smollm2-135m
@@ -12,25 +12,15 @@ Examples:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Quantize an LLM from a YAML recipe into a vLLM-ready checkpoint, and prove it is worth serving.")
+from quantkit.cli.common import JsonOut, Quiet, fail
+
 recipes_app = typer.Typer(no_args_is_help=True, help="Validate and list recipes.")
 models_app = typer.Typer(no_args_is_help=True, help="Demo models.")
-app.add_typer(recipes_app, name="recipes")
-app.add_typer(models_app, name="models")
-
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; errors only.")]
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
 
 
 def _user_errors():
@@ -42,7 +32,6 @@ def _user_errors():
     return (RecipeError, ModelError, DataError, ConvertError, FileExistsError, FileNotFoundError)
 
 
-@app.command()
 def convert(
     recipe: Annotated[str, typer.Argument(help="Recipe YAML file, or the name of a shipped recipe.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default: export.output_dir or runs/<name>).")] = None,
@@ -59,20 +48,19 @@ def convert(
         r = load_recipe(recipe, set_ or [])
         out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet)
     except _user_errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(str(out))
 
 
-@app.command()
 def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact folder.")],
-            json_out: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False) -> None:
+            json_out: JsonOut = False) -> None:
     """Print an artifact's summary and verify every file's sha256 (exit 1 on any mismatch)."""
     from quantkit import api
 
     try:
         summary = api.inspect(folder)
     except FileNotFoundError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     problems = summary.pop("problems")
     if json_out:
         typer.echo(json.dumps({**summary, "problems": problems}, indent=2))
@@ -84,9 +72,8 @@ def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact fo
     raise typer.Exit(1 if problems else 0)
 
 
-@app.command()
 def capability(artifacts: Annotated[Optional[list[Path]], typer.Argument(help="Artifact folders to check.")] = None,
-               json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+               json_out: JsonOut = False) -> None:
     """What this machine and engine can serve, and why (exit 1 if any ARTIFACT cannot be served here).
 
     Decided from the CPU flags and the export's quantization config, without starting an engine.
@@ -96,7 +83,7 @@ def capability(artifacts: Annotated[Optional[list[Path]], typer.Argument(help="A
     try:
         cap = api.capability(artifacts or [])
     except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if json_out:
         typer.echo(json.dumps(cap, indent=2))
     else:
@@ -160,20 +147,13 @@ def models_fetch(name: Annotated[str, typer.Argument(help="Demo model name, e.g.
     try:
         typer.echo(str(ensure_demo_model(name, quiet=quiet)))
     except ModelError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
-# Commands that live in their own modules, registered explicitly (no discovery).
-from quantkit.cli_eval import register as _register_eval  # noqa: E402
-from quantkit.cli_registry import register as _register_registry  # noqa: E402
-
-_register_eval(app)
-_register_registry(app)
-
-
-def main() -> None:  # pragma: no cover
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+def register(app: typer.Typer) -> None:
+    """Add these commands to `app`."""
+    app.command()(convert)
+    app.command()(inspect)
+    app.command()(capability)
+    app.add_typer(recipes_app, name="recipes")
+    app.add_typer(models_app, name="models")

@@ -1,7 +1,6 @@
 """CLI commands for gates and the registry (`quantkit gate|publish|promote|rollback|registry`).
 
-Thin adapters over quantkit.gates and quantkit.registry. Exit codes: 0 ok, 1 a gate failed (gate only),
-2 a refusal or a usage/registry error (the message names the file or field and the fix).
+Thin adapters over quantkit.gates and quantkit.registry (exit codes: quantkit.cli.common).
 
 Examples:
     quantkit gate runs/smollm2-w8a8-rtn --junit gates.xml
@@ -24,16 +23,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from quantkit.cli.common import JsonOut, fail
+
 Registry = Annotated[Optional[str], typer.Option(
     "--registry", "-r", envvar="QUANTKIT_REGISTRY",
     help="http(s)://host:port (MLflow server), sqlite:///x.db, hf://org[/name]; default: embedded in QUANTKIT_HOME.")]
 Alias = Annotated[str, typer.Option("--alias", "-a", help="The alias to move.")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
 
 
 def _quiet_mlflow() -> None:
@@ -76,7 +71,7 @@ def gate(report: Annotated[Path, typer.Argument(help="report.json, or the artifa
     try:
         gr = run_gates(report)
     except GateError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if junit:
         write_junit(gr, junit)
     typer.echo(json.dumps(gr.to_dict(), indent=2) if json_out else format_table(gr))
@@ -95,7 +90,7 @@ def publish(artifact: Annotated[Path, typer.Argument(help="An exported artifact 
     try:
         info = reg.publish(artifact, registry_uri=registry, name=name, report=report)
     except _errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if json_out:
         _print_version(info, True)
     else:
@@ -113,7 +108,7 @@ def promote(name: Annotated[str, typer.Argument(help="Registered model name.")],
     try:
         info = reg.promote(name, version, alias, registry_uri=registry)
     except _errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(f"{name}@{alias} -> version {info.version}")
 
 
@@ -126,7 +121,7 @@ def rollback(name: Annotated[str, typer.Argument(help="Registered model name.")]
     try:
         info = reg.rollback(name, alias, registry_uri=registry)
     except _errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(f"{name}@{alias} -> version {info.version} (rolled back)")
 
 
@@ -143,7 +138,7 @@ def registry_list(name: Annotated[Optional[str], typer.Argument(help="Model name
     try:
         rows = [v.to_dict() for v in reg.list_versions(name, registry)] if name else reg.list_models(registry)
     except _errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
     elif name:
@@ -168,7 +163,7 @@ def registry_show(name: Annotated[str, typer.Argument(help="Registered model nam
     try:
         info = reg.show(name, version, registry)
     except _errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _print_version(info, json_out)
 
 
@@ -185,7 +180,7 @@ def registry_pull(name: Annotated[str, typer.Argument(help="Registered model nam
     try:
         out = reg.pull(name, version, dest, registry, overwrite=overwrite)
     except _errors() as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(str(out))
 
 

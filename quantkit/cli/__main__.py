@@ -1,0 +1,3 @@
+from quantkit.cli import app
+
+app()
