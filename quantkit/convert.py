@@ -83,7 +83,7 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
         n_layers = len(plan.layers)
         produced, qat = work.layer_files(n_layers), None
         if recipe.stages[-1].method == "qat":  # fine-tune the PTQ result; its tensors replace the layer files
-            qat = qat_stage.run(recipe, model_dir, tok, plan, produced, work.root / "qat", quiet, on_weight)
+            qat = qat_stage.run(recipe, model_dir, tok, plan, produced, work.root / "qat", device, quiet, on_weight)
             produced = qat.files
         export_dir = partial / "export"
         shutil.rmtree(export_dir, ignore_errors=True)

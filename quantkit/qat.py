@@ -1,10 +1,13 @@
 """The quantization-aware training stage: fine-tune the PTQ result with the quantization in the loop.
 
-`run()` is called by `api.convert` after the layer-sequential pipeline, when the recipe's last stage is
-`qat`. It loads the float model, puts in every quantized module's PTQ result (read back from the work
-folder, so a resumed conversion sees the same start) as a `QATLinear` (fake quantization, straight-
-through gradients, see quantkit/algorithms/qat.py), and trains it with AdamW against the float
-teacher's logits (KL, default) or the next token (cross-entropy). Only the quantized Linears' latent
+`run()` is called by the convert verb after the layer-sequential pipeline, when the recipe's last stage
+is `qat`. It loads the float model once, on the conversion's device, puts in every quantized module's
+PTQ result (read back from the work folder, so a resumed conversion sees the same start) as a
+`QATLinear` (fake quantization, straight-through gradients, see quantkit/algorithms/qat.py), and trains
+it with AdamW against the float teacher's logits (KL, default) or the next token (cross-entropy). The
+teacher is the same module tree computing as the float model did (`Teacher`: each QATLinear uses its
+original weight, kept in the checkpoint's dtype, and folded norms are swapped back), so there is never
+a second model in memory. Only the quantized Linears' latent
 weights (and their scales when learned) train; embeddings, norms and lm_head stay as stored, so the
 export copies them unchanged. The result goes through the same compressed-tensors exporter as PTQ.
 
@@ -107,8 +110,11 @@ def rewritten_tensors(tensors: dict[str, torch.Tensor], layer, model_keys: set[s
     return {k: v for k, v in tensors.items() if k in model_keys and not k.startswith(names)}
 
 
-def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list[Path]) -> tuple[nn.Module, dict]:
-    """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result."""
+def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list[Path],
+                  device: torch.device) -> tuple[nn.Module, dict, "Teacher"]:
+    """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result,
+    and the teacher that computes the float model's logits through the same module tree (so only one
+    model is ever in memory: the QATLinears keep their original weights in the checkpoint's dtype)."""
     from compressed_tensors.compressors import BaseCompressor
 
     st: QATStage = recipe.stages[-1]
@@ -117,13 +123,15 @@ def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list
     nudge = not any(getattr(s, "is_transform", False) for s in recipe.stages)
     model = load_float(model_dir, recipe)
     model_keys = set(model.state_dict())
+    params = dict(model.named_parameters())
     modules: dict[str, QATLinear] = {}
+    originals: dict[str, torch.Tensor] = {}  # stored values of the float tensors a transform rewrote
     for layer, path in zip(plan.layers, layer_files):
         tensors = load_file(str(path))
         with torch.no_grad():
             for k, v in rewritten_tensors(tensors, layer, model_keys).items():
-                mod, attr = k.rsplit(".", 1)
-                getattr(model.get_submodule(mod), attr).copy_(v.float())
+                originals[k] = params[k].detach().to(scale_dtype).clone()
+                params[k].copy_(v.float())
         for members in layer.groups:
             for t in members:
                 local = {k[len(t.name) + 1:]: v for k, v in tensors.items() if k.startswith(t.name + ".")}
@@ -140,9 +148,44 @@ def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list
                               t.scheme.weights, t.scheme.activations, st.scales == "learned", scale_dtype)
                 if not torch.equal(q.export()[0], deq):
                     raise QATError(f"{t.name}: the QAT start does not reproduce the PTQ weights (internal error)")
+                # the stored float weight; a bias a transform rewrote is swapped back by the teacher
+                q.keep_float(lin.weight, None, scale_dtype)
+                if lin.bias is not None:
+                    q.teacher_bias = originals.get(t.name + ".bias", lin.bias.detach().to(scale_dtype).clone())
                 model.set_submodule(t.name, q)
                 modules[t.name] = q
-    return model, modules
+    model.to(device)
+    return model, modules, Teacher(model, modules, {k: v.to(device) for k, v in originals.items()})
+
+
+class Teacher:
+    """The float model's forward, computed by the student's own module tree: every QATLinear in teacher
+    mode (its original weight, no fake quantization) and every non-quantized tensor a transform rewrote
+    (a folded norm weight) swapped back to its stored value for the call. No second model in memory."""
+
+    def __init__(self, student: nn.Module, modules: dict[str, QATLinear], originals: dict[str, torch.Tensor]):
+        self.student, self.modules = student, modules
+        bias_names = {n + ".bias" for n in modules}
+        self.originals = {k: v for k, v in originals.items() if k not in bias_names}  # QATLinear keeps its own
+
+    @torch.no_grad()
+    def __call__(self, **kwargs):
+        params = dict(self.student.named_parameters())
+        saved = {k: params[k].detach().clone() for k in self.originals}
+        was_training = self.student.training
+        self.student.eval()
+        for m in self.modules.values():
+            m.as_teacher = True
+        try:
+            for k, v in self.originals.items():
+                params[k].copy_(v.float())
+            return self.student(**kwargs)
+        finally:
+            for k, v in saved.items():
+                params[k].copy_(v)
+            for m in self.modules.values():
+                m.as_teacher = False
+            self.student.train(was_training)
 
 
 def trainable(modules: dict[str, QATLinear]) -> dict[str, nn.Parameter]:
@@ -180,11 +223,12 @@ def step_loss(student, teacher, ids: torch.Tensor, kind: str) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(student, teacher, heldout: torch.Tensor) -> dict:
     """Held-out KL to the teacher and next-token loss, one window at a time."""
+    device = next(student.parameters()).device
     was = student.training
     student.eval()
     kl = ce = 0.0
     for row in heldout:
-        ids = row.unsqueeze(0)  # [1, L]
+        ids = row.unsqueeze(0).to(device)  # [1, L]
         s = student(input_ids=ids, use_cache=False).logits
         kl += float(kd_loss(s, teacher(input_ids=ids, use_cache=False).logits))
         ce += float(ce_loss(s, ids))
@@ -247,6 +291,7 @@ def _step_done(step: int) -> None:
 def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
           quiet: bool = False) -> dict:
     params = trainable(modules)
+    device = next(student.parameters()).device
     opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=BETAS, weight_decay=0.0)
     state = load_checkpoint(root, params, opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0}
     start = state["step"]
@@ -266,7 +311,7 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for micro in range(st.grad_accum):
-            ids = micro_batch(train_w, weights, st.seed, step, micro, st.batch_size)
+            ids = micro_batch(train_w, weights, st.seed, step, micro, st.batch_size).to(device)
             loss = step_loss(student, teacher, ids, st.loss) / st.grad_accum
             loss.backward()
             total += float(loss.detach())
@@ -291,7 +336,7 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
 
 
 def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: list[Path], root: Path,
-        quiet: bool = False, on_weight=None) -> QATResult:
+        device: torch.device, quiet: bool = False, on_weight=None) -> QATResult:
     """Train the last (qat) stage from the PTQ layer files; write the export tensors into `root`."""
     st: QATStage = recipe.stages[-1]
     root.mkdir(parents=True, exist_ok=True)
@@ -299,8 +344,7 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: lis
     heldout = heldout[:st.eval_samples]
     log.info("qat: %d training windows, %d held-out windows of %d tokens",
              sum(len(t) for t in train_w), len(heldout), st.seq_len)
-    student, modules = build_student(model_dir, recipe, plan, layer_files)
-    teacher = load_float(model_dir, recipe)
+    student, modules, teacher = build_student(model_dir, recipe, plan, layer_files, device)
     state = train(student, teacher, modules, st, train_w, weights, heldout, root, quiet)
 
     scale_dtype = getattr(torch, recipe.model.dtype)

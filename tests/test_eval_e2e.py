@@ -39,8 +39,9 @@ def w8a8(tmp_path_factory) -> Path:
     return api.convert(recipe, tmp_path_factory.mktemp("art") / "w8a8", quiet=True)
 
 
-def _eval_cli(cwd: Path, *args: str) -> None:
-    """`quantkit eval ARGS` through the CLI, run from `cwd` (the way a user types it, relative paths)."""
+def _eval_cli(cwd: Path, home: Path, *args: str) -> None:
+    """`quantkit eval ARGS` through the CLI, run from `cwd` (the way a user types it, relative paths), with
+    QUANTKIT_HOME=`home` (where the baseline cache lives; each test otherwise gets its own home)."""
     from typer.testing import CliRunner
 
     from quantkit.cli import app
@@ -48,18 +49,23 @@ def _eval_cli(cwd: Path, *args: str) -> None:
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        res = CliRunner().invoke(app, ["eval", *args], catch_exceptions=False)
+        res = CliRunner().invoke(app, ["eval", *args], catch_exceptions=False, env={"QUANTKIT_HOME": str(home)})
     finally:
         os.chdir(old)
     assert res.exit_code == 0, res.output
 
 
 @pytest.fixture(scope="module")
-def report_dir(w8a8) -> Path:
+def eval_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("eval-home")
+
+
+@pytest.fixture(scope="module")
+def report_dir(w8a8, eval_home) -> Path:
     # from the artifact's parent folder, not the repository root, with a relative path: the engine must
     # still be handed an absolute --model (it runs with cwd=<eval folder>)
     assert w8a8.parent != REPO
-    _eval_cli(w8a8.parent, w8a8.name, "--suite", "smoke", "--fresh-baseline")
+    _eval_cli(w8a8.parent, eval_home, w8a8.name, "--suite", "smoke", "--fresh-baseline")
     return w8a8 / "eval"
 
 
@@ -119,11 +125,12 @@ def test_report_files_and_clean_shutdown(report_dir):
     assert not (report_dir / "cache").exists()
 
 
-def test_second_eval_reuses_the_baseline(report_dir, w8a8, tmp_path):
+def test_second_eval_reuses_the_baseline(report_dir, w8a8, eval_home, tmp_path):
     """The same model, suite, engine and machine: the baseline is not measured again, and says so."""
     first = json.loads((report_dir / "report.json").read_text())
     assert first["baseline"]["reused"] is None
-    _eval_cli(w8a8.parent, w8a8.name, "--suite", "smoke", "--output", str(tmp_path / "again"))
+    assert len(list((eval_home / "baselines").iterdir())) == 1  # the first eval stored its baseline
+    _eval_cli(w8a8.parent, eval_home, w8a8.name, "--suite", "smoke", "--output", str(tmp_path / "again"))
     again = json.loads((tmp_path / "again" / "report.json").read_text())
     reused = again["baseline"]["reused"]
     assert reused is not None and reused["source_eval"] == str(report_dir)

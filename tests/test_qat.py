@@ -243,3 +243,34 @@ def test_smollm2_w8a8_qat_serves_in_vllm(tmp_path, monkeypatch):
                                 "temperature": 0})
         resp.raise_for_status()
         assert len(resp.json()["choices"][0]["text"].split()) >= 3
+
+
+def test_teacher_is_the_float_model_computed_by_the_student_tree(peaky_llama, calib_text, tmp_path, monkeypatch):
+    """One model in memory: the teacher is the student's own module tree in float mode. Checked after an AWQ
+    stage (folded norms, clipped weights): its logits equal an independently loaded float model's, bit for
+    bit; a teacher call leaves the student exactly as it was; and the student is not the float model."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(peaky_llama, dtype=torch.float32).eval()
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    real = qat_runner.build_student
+
+    def spy(*a, **k):
+        student, modules, teacher = real(*a, **k)
+        with torch.no_grad():
+            seen["s0"] = student(input_ids=ids).logits
+            seen["t"] = teacher(input_ids=ids).logits
+            seen["s1"] = student(input_ids=ids).logits
+        seen["swapped"] = sorted(teacher.originals)
+        return student, modules, teacher
+
+    monkeypatch.setattr(qat_runner, "build_student", spy)
+    _convert(peaky_llama, calib_text, [{"method": "awq", "grid": 4}, {"method": "rtn", "scheme": "W4A16", "group_size": 16},
+                                       _qat(steps=1, warmup_steps=0, eval_every=1, checkpoint_every=1)], tmp_path / "o")
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    assert any("layernorm" in k for k in seen["swapped"])  # the AWQ fold rewrote norms: the teacher swaps them back
+    assert torch.equal(seen["t"], want)
+    assert torch.equal(seen["s0"], seen["s1"])
+    assert (seen["s0"] - want).abs().max() > 1e-3

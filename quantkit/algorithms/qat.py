@@ -114,6 +114,16 @@ class QATLinear(nn.Module):
         self.register_buffer("weight_zero_point",
                              zero_point.detach().float().clone() if zero_point is not None else None)
         self.register_buffer("g_idx", g_idx.detach().long().clone())
+        # the float Linear this module replaces, kept as stored (exact in its checkpoint dtype), for the
+        # teacher's forward through the same module tree; not part of the state dict
+        self.register_buffer("teacher_weight", None, persistent=False)
+        self.register_buffer("teacher_bias", None, persistent=False)
+        self.as_teacher = False
+
+    def keep_float(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """Keep the original float weight (and bias) so this module can compute as the float model did."""
+        self.teacher_weight = weight.detach().to(dtype).clone()
+        self.teacher_bias = bias.detach().to(dtype).clone() if bias is not None else None
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-column scale and zero point, [out, in]: positive, storage-exact scales."""
@@ -127,6 +137,9 @@ class QATLinear(nn.Module):
         return fake_quant_weight_ste(self.weight, s_cols, z_cols, self.spec, self.learn_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.as_teacher:  # the float model's Linear: no fake quantization, the original weight
+            b = self.teacher_bias.to(x.dtype) if self.teacher_bias is not None else None
+            return F.linear(x, self.teacher_weight.to(x.dtype), b)
         if self.act is not None:
             x = fake_quant_activations_ste(x, self.act)
         return F.linear(x, self.quantized_weight().to(x.dtype), self.bias)
