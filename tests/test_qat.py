@@ -217,8 +217,6 @@ def test_smollm2_w8a8_qat_serves_in_vllm(tmp_path, monkeypatch):
     import os
     from importlib import util
 
-    import httpx
-
     from conftest import REPO
     from quantkit.recipe import load_recipe
 
@@ -235,14 +233,11 @@ def test_smollm2_w8a8_qat_serves_in_vllm(tmp_path, monkeypatch):
     out = api.convert(r, tmp_path / "w8a8-qat", quiet=True)
     man = json.loads((out / "manifest.json").read_text())
     assert man["qat"]["steps"] == 3 and (out / "qat_loss.png").is_file()
-    from quantkit.engine.vllm_server import VLLMServer
+    from _serving import AGREEMENT_FLOOR, float_continuations, serve_and_agree
 
-    with VLLMServer(out, tmp_path / "run", "m", max_model_len=512) as ep:
-        resp = httpx.post(f"{ep.base_url}/v1/completions", timeout=300,
-                          json={"model": "m", "prompt": "The three primary colours are", "max_tokens": 16,
-                                "temperature": 0})
-        resp.raise_for_status()
-        assert len(resp.json()["choices"][0]["text"].split()) >= 3
+    text, agreement = serve_and_agree(out, tmp_path / "run", float_continuations(demo))
+    assert len(text.split()) >= 3, text
+    assert agreement >= AGREEMENT_FLOOR["W8A8"], agreement
 
 
 def test_teacher_is_the_float_model_computed_by_the_student_tree(peaky_llama, calib_text, tmp_path, monkeypatch):

