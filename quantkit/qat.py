@@ -148,10 +148,8 @@ def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list
                               t.scheme.weights, t.scheme.activations, st.scales == "learned", scale_dtype)
                 if not torch.equal(q.export()[0], deq):
                     raise QATError(f"{t.name}: the QAT start does not reproduce the PTQ weights (internal error)")
-                # the stored float weight; a bias a transform rewrote is swapped back by the teacher
-                q.keep_float(lin.weight, None, scale_dtype)
-                if lin.bias is not None:
-                    q.teacher_bias = originals.get(t.name + ".bias", lin.bias.detach().to(scale_dtype).clone())
+                # the stored float weight and bias (the one a transform rewrote, if any, as it was stored)
+                q.keep_float(lin.weight, originals.get(t.name + ".bias", lin.bias), scale_dtype)
                 model.set_submodule(t.name, q)
                 modules[t.name] = q
     model.to(device)

@@ -69,10 +69,6 @@ class DataSource(Strict):
         c = BUILTIN_CORPORA[self.name]
         return DataSource(type=c.reader, path=corpus_glob(self.name), field=c.field, weight=self.weight)
 
-    @property
-    def label(self) -> str:
-        return f"builtin:{self.name}" if self.type == "builtin" else str(self.path)
-
 
 class CalibrationSpec(Strict):
     sources: list[DataSource] = Field(min_length=1)

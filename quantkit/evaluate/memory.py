@@ -25,7 +25,7 @@ def checkpoint_bytes(model_dir: Path) -> int:
 def tensor_bytes(model_dir: Path, compute_dtype: str | None = None) -> int:
     """Sum over tensors of numel x element size; 16/32/64-bit float tensors at `compute_dtype` when given
     (read from the headers through the one safetensors reader, quantkit.model.checkpoint.LazyCheckpoint)."""
-    from quantkit.export.shards import FLOAT_CODES, element_size
+    from quantkit.export.shards import WIDE_FLOAT_CODES, element_size
     from quantkit.model.checkpoint import LazyCheckpoint
 
     float_size = _TORCH_SIZES.get(compute_dtype or "")
@@ -36,8 +36,7 @@ def tensor_bytes(model_dir: Path, compute_dtype: str | None = None) -> int:
         numel = 1
         for d in shape:
             numel *= d
-        wide_float = code in FLOAT_CODES and not code.startswith("F8")
-        total += numel * (float_size if (float_size and wide_float) else element_size(code))
+        total += numel * (float_size if (float_size and code in WIDE_FLOAT_CODES) else element_size(code))
     return total
 
 

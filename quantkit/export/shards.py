@@ -29,7 +29,7 @@ DTYPES: dict[str, torch.dtype] = {
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
 CODES = {v: k for k, v in DTYPES.items()}
-FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if v.is_floating_point)
+WIDE_FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if v.is_floating_point and v.itemsize >= 2)  # not fp8
 
 
 def element_size(code: str) -> int:
