@@ -5,6 +5,7 @@ The top-level folders stay the only copy in the repository; at build time they a
 Everything else about the package is in pyproject.toml.
 """
 
+import ast
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,17 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-SHIPPED = ("recipes", "calibration", "evals")  # keep equal to quantkit.resources.SHIPPED
+
+def _shipped() -> tuple[str, ...]:
+    """quantkit.resources.SHIPPED, read from the source (importing quantkit at build time would need its deps)."""
+    tree = ast.parse((ROOT / "quantkit" / "resources.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SHIPPED" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise SystemExit("setup.py: quantkit/resources.py defines no SHIPPED")
+
+
+SHIPPED = _shipped()
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "tools")  # generators are not data
 
 

@@ -1,6 +1,6 @@
 """The convert verb: recipe -> compressed-tensors checkpoint + manifest.json, resumable.
 
-    resolve -> calibrate -> plan -> quantize (layer by layer, resumable) -> [qat] -> export -> rename
+    resolve -> calibrate -> plan -> quantize (layer by layer, resumable) -> [qat] -> compress -> export -> rename
 
 Everything is built in `.<output>.partial/` beside the output (work/ is the resume point, export/ the
 artifact being written); the output appears with one rename when it is complete.
@@ -17,7 +17,10 @@ from typing import Callable
 
 import torch
 
+from quantkit.errors import ENVIRONMENT_ERRNOS, EnvironmentFault, environment_fault, human_bytes
+from quantkit.export.shards import element_size
 from quantkit.io import model_fingerprint, replace_dir
+from quantkit.locks import exclusive, lock_beside
 from quantkit.recipe import Recipe
 
 log = logging.getLogger("quantkit")
@@ -39,69 +42,120 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     tensor a transform or QAT rewrote, by parameter name (a public hook for tools that compare the export
     with the in-memory quantized model).
     """
-    from transformers import AutoTokenizer
+    t_start = time.perf_counter()
+    recipe = recipe.with_absolute_paths()  # the API boundary: a no-op for recipes read by load_recipe
+    output = Path(output).expanduser().resolve() if output else default_output(recipe)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(lock_beside(output), f"a conversion into {output}"):
+        if output.exists() and not overwrite:
+            raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
+        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start)
 
+
+def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on_weight, t_start: float) -> Path:
     from quantkit import qat as qat_stage
     from quantkit.data import build_calibration_set
-    from quantkit.export.artifact import write_artifact
+    from quantkit.export.artifact import compress_results, write_artifact
     from quantkit.model.arch import arch_for
     from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
-    from quantkit.model.sources import resolve_model_dir
+    from quantkit.model.integrity import verify_model_folder
+    from quantkit.model.sources import load_tokenizer, resolve_model_dir
     from quantkit.plan import make_plan
     from quantkit.quantize.layers import Job, process_layers
     from quantkit.quantize.workdir import WorkDir
 
-    t_start = time.perf_counter()
-    recipe = recipe.with_absolute_paths()  # the API boundary: a no-op for recipes read by load_recipe
-    output = Path(output).expanduser().resolve() if output else default_output(recipe)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
+    # everything that can refuse the inputs runs before the work folder exists
+    model_dir = resolve_model_dir(recipe.model, quiet=quiet)
+    verify_model_folder(model_dir)
+    tok = load_tokenizer(model_dir, recipe.model.trust_remote_code)
+    calib = build_calibration_set(recipe.calibration, tok) if recipe.calibration else None
+    model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
+    arch = arch_for(model.config)
+    plan = make_plan(model, arch, recipe)
+    source = LazyCheckpoint(model_dir)
     partial = partial_dir(output)
+    needed = disk_needed(plan, source, recipe, calib.input_ids.shape if calib else None, model.config)
+    check_free_space(partial, needed)
     partial.mkdir(parents=True, exist_ok=True)
-    with _log_to(partial / "convert.log"):
-        log.info("convert %s -> %s", recipe.name, output)
-        model_dir = resolve_model_dir(recipe.model, quiet=quiet)
-        tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
-        calib = build_calibration_set(recipe.calibration, tok) if recipe.calibration else None
-        if calib:
-            log.info("calibration: %d x %d tokens, fingerprint %s", *calib.input_ids.shape, calib.fingerprint[:16])
-        fingerprint = {"recipe": recipe.hash(), "model": model_fingerprint(model_dir),
-                       "calibration": calib.fingerprint if calib else None}
+    try:
+        with _log_to(partial / "convert.log"):
+            log.info("convert %s -> %s (about %s of disk needed)", recipe.name, output, human_bytes(needed))
+            if calib:
+                log.info("calibration: %d x %d tokens, fingerprint %s", *calib.input_ids.shape, calib.fingerprint[:16])
+            fingerprint = {"recipe": recipe.hash(), "model": model_fingerprint(model_dir),
+                           "calibration": calib.fingerprint if calib else None}
+            work = WorkDir(partial / "work")
+            start = work.start(fingerprint, restart)
+            if start:
+                log.info("resuming after layer %d", start - 1)
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            job = Job(recipe, getattr(torch, recipe.model.dtype), on_weight)
+            process_layers(model, arch, source, plan, job, work, start, calib.input_ids if calib else None, device, quiet)
 
-        model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
-        arch = arch_for(model.config)
-        plan = make_plan(model, arch, recipe)
-        source = LazyCheckpoint(model_dir)
-        work = WorkDir(partial / "work")
-        start = work.start(fingerprint, restart)
-        if start:
-            log.info("resuming after layer %d", start - 1)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        job = Job(recipe, getattr(torch, recipe.model.dtype), on_weight)
-        process_layers(model, arch, source, plan, job, work, start, calib.input_ids if calib else None, device, quiet)
-
-        n_layers = len(plan.layers)
-        produced, qat = work.layer_files(n_layers), None
-        if recipe.stages[-1].method == "qat":  # fine-tune the PTQ result; its tensors replace the layer files
-            qat = qat_stage.run(recipe, model_dir, tok, plan, produced, work.root / "qat", device, quiet, on_weight)
-            produced = qat.files
-        export_dir = partial / "export"
-        shutil.rmtree(export_dir, ignore_errors=True)
-        export_dir.mkdir()
-        shutil.copy2(partial / "convert.log", export_dir / "convert.log")
-        facts = {"recipe": recipe, "recipe_sha256": fingerprint["recipe"],
-                 "base_model": {"path": recipe.model.path, "resolved_dir": str(model_dir),
-                                "fingerprint": fingerprint["model"]},
-                 "calibration": calib.summary() if calib else None, "qat": qat.summary if qat else None,
-                 "conversion": {"device": str(device), "resumed_at_layer": start or None}}
-        manifest = write_artifact(export_dir, model_dir, source, LazyCheckpoint(work.root, produced), plan,
-                                  work.layer_stats(n_layers), recipe.export.max_shard_size_mb * 1024 * 1024,
-                                  qat.extra_files if qat else [], facts, t_start)
-        log.info("export written: %d files, %.1f MB, %.1fs", len(manifest["files"]), manifest["size_bytes"] / 1e6,
-                 time.perf_counter() - t_start)
-    replace_dir(export_dir, output)  # the only moment the final name appears: one rename of a complete folder
+            n_layers = len(plan.layers)
+            typed, qat = work.layer_files(n_layers), None
+            if recipe.stages[-1].method == "qat":  # fine-tune the PTQ result; its typed results replace the layer files
+                qat = qat_stage.run(recipe, model_dir, tok, plan, typed, work.root / "qat", device, quiet, on_weight)
+                typed = qat.files
+            export_dir, compressed = partial / "export", partial / "compressed"
+            for d in (export_dir, compressed):
+                shutil.rmtree(d, ignore_errors=True)
+            produced = compress_results(plan, typed, compressed, job.scale_dtype)
+            export_dir.mkdir()
+            shutil.copy2(partial / "convert.log", export_dir / "convert.log")
+            facts = {"recipe": recipe, "recipe_sha256": fingerprint["recipe"],
+                     "base_model": {"path": recipe.model.path, "resolved_dir": str(model_dir),
+                                    "fingerprint": fingerprint["model"]},
+                     "calibration": calib.summary() if calib else None, "qat": qat.summary if qat else None,
+                     "conversion": {"device": str(device), "resumed_at_layer": start or None}}
+            manifest = write_artifact(export_dir, model_dir, source, LazyCheckpoint(compressed, produced), plan,
+                                      work.layer_stats(n_layers), recipe.export.max_shard_size_mb * 1024 * 1024,
+                                      qat.extra_files if qat else [], facts, t_start)
+            log.info("export written: %d files, %.1f MB, %.1fs", len(manifest["files"]),
+                     manifest["size_bytes"] / 1e6, time.perf_counter() - t_start)
+        replace_dir(export_dir, output)  # the only moment the final name appears: one rename of a complete folder
+    except OSError as exc:
+        if exc.errno in ENVIRONMENT_ERRNOS:  # disk full, I/O error: say which file and that a rerun resumes
+            raise environment_fault(exc, needed, resumes=True) from exc
+        raise
     shutil.rmtree(partial, ignore_errors=True)
     return output
+
+
+def disk_needed(plan, source, recipe: Recipe, calib_shape, config) -> int:
+    """Bytes a conversion writes at its peak, beside the output: the work folder (1-byte codes per quantized
+    weight, the next layer's input twice while it is replaced), the compressed layer files, and the export
+    (the tensors kept as they are plus the compressed ones); QAT adds its checkpoint (weight and two AdamW
+    moments, fp32) and its typed layer files."""
+    quantized = packed = 0
+    for t in plan.targets.values():
+        n = 1
+        for d in source.layout(t.name + ".weight")[1]:
+            n *= d
+        quantized += n
+        packed += n * t.scheme.weights.num_bits // 8
+    replaced = {t + ".weight" for t in plan.targets}
+    kept = 0
+    for k in source.keys():
+        if k not in replaced:
+            code, shape = source.layout(k)
+            n = element_size(code)
+            for d in shape:
+                n *= d
+            kept += n
+    hidden = 2 * 4 * calib_shape[0] * calib_shape[1] * config.hidden_size if calib_shape is not None else 0
+    qat = quantized * (12 + 1) if recipe.stages[-1].method == "qat" else 0
+    return int(1.1 * (quantized + hidden + 2 * packed + kept + qat)) + (16 << 20)  # 10% and 16 MB for the rest
+
+
+def check_free_space(partial: Path, needed: int) -> None:
+    """Refuse up front when the output's file system has less free space than the conversion needs (what
+    an unfinished conversion already wrote there counts as available)."""
+    done = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.is_dir() else 0
+    free = shutil.disk_usage(partial.parent).free
+    if free + done < needed:
+        raise EnvironmentFault(f"{partial.parent}: {human_bytes(free)} free, and this conversion needs about "
+                               f"{human_bytes(needed - done)} more; free space or choose an --output on a larger disk")
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 
 from quantkit.recipe import CalibrationSpec, DataSource
+
+log = logging.getLogger("quantkit")
 
 
 class DataError(ValueError):
@@ -59,20 +62,36 @@ def _files(src: DataSource, where: str) -> list[Path]:
     return paths
 
 
-def _read_jsonl(path: Path, field: str, where: str) -> list:
+def read_text(path: Path, where: str, strict: bool = False) -> str:
+    """A calibration file as text. Invalid UTF-8 is refused when `strict` (the recipe's `encoding: strict`),
+    else replaced by U+FFFD with a warning that names the file, the first bad byte's offset and the count."""
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if strict:
+            raise DataError(f"{path}: invalid UTF-8 at byte {exc.start} ({where}.encoding is strict); fix or "
+                            "re-encode the file (iconv -f <its encoding> -t utf-8), or set encoding: replace") from None
+        text = raw.decode("utf-8", errors="replace")
+        replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
+        log.warning("%s: invalid UTF-8 from byte %d on; %d character(s) replaced by U+FFFD (set %s.encoding: "
+                    "strict to refuse such files)", path, exc.start, replaced, where)
+        return text
+
+
+def _read_jsonl(path: Path, field: str, where: str, strict: bool = False) -> list:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or field not in rec:
-                keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
-                raise DataError(f"{path}:{n}: no field {field!r} (found: {keys}); set {where}.field")
-            out.append(rec[field])
+    for n, line in enumerate(read_text(path, where, strict).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rec, dict) or field not in rec:
+            keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+            raise DataError(f"{path}:{n}: no field {field!r} (found: {keys}); set {where}.field")
+        out.append(rec[field])
     return out
 
 
@@ -90,7 +109,7 @@ def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
     if src.type == "text":
         docs = []
         for p in _files(src, where):
-            text = p.read_text(encoding="utf-8", errors="replace")
+            text = read_text(p, where, src.encoding == "strict")
             if text.strip():
                 docs.append(text)
         if not docs:
@@ -100,7 +119,7 @@ def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
         field = "messages" if (src.type == "chat" and src.field == "text") else src.field
         records = []
         for p in _files(src, where):
-            records.extend(_read_jsonl(p, field, where))
+            records.extend(_read_jsonl(p, field, where, src.encoding == "strict"))
     elif src.type == "parquet":
         import pyarrow.parquet as pq
 

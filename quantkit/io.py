@@ -141,22 +141,33 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over the model's weight/config files, cached by (path, size, mtime)."""
+def cached_sha256(path: Path) -> str:
+    """sha256 of a file, cached in QUANTKIT_HOME/hash-cache.json by (resolved path, size, mtime)."""
+    return cached_sha256_many([path])[0]
+
+
+def cached_sha256_many(paths: list[Path]) -> list[str]:
     cache_file = quantkit_home() / "hash-cache.json"
-    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
-    parts = []
-    changed = False
-    for p in sorted(model_dir.iterdir()):
-        if not p.is_file() or not (p.suffix in (".safetensors", ".json") and p.name != "quantkit_source.json"):
-            continue
-        st = p.stat()
-        key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    except (OSError, ValueError):  # a damaged cache is only a cache
+        cache = {}
+    out, changed = [], False
+    for p in paths:
+        st = Path(p).stat()
+        key = f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}"
         if key not in cache:
             cache[key] = sha256_file(p)
             changed = True
-        parts.append(f"{p.name}:{cache[key]}")
+        out.append(cache[key])
     if changed:
         with contextlib.suppress(OSError):
             atomic_write_json(cache_file, cache)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return out
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over the model's weight/config files (each file's hash cached by path, size and mtime)."""
+    files = [p for p in sorted(model_dir.iterdir())
+             if p.is_file() and p.suffix in (".safetensors", ".json") and p.name != "quantkit_source.json"]
+    return hashlib.sha256("\n".join(f"{p.name}:{h}" for p, h in zip(files, cached_sha256_many(files))).encode()).hexdigest()

@@ -2,14 +2,15 @@
 
 `run()` is called by the convert verb after the layer-sequential pipeline, when the recipe's last stage
 is `qat`. It loads the float model once, on the conversion's device, puts in every quantized module's
-PTQ result (read back from the work folder, so a resumed conversion sees the same start) as a
-`QATLinear` (fake quantization, straight-through gradients, see quantkit/algorithms/qat.py), and trains
+PTQ result (the typed results of the work folder's layer files, so a resumed conversion sees the same
+start) as a `QATLinear` (fake quantization, straight-through gradients, see quantkit/algorithms/qat.py), and trains
 it with AdamW against the float teacher's logits (KL, default) or the next token (cross-entropy). The
 teacher is the same module tree computing as the float model did (`Teacher`: each QATLinear uses its
 original weight, kept in the checkpoint's dtype, and folded norms are swapped back), so there is never
 a second model in memory. Only the quantized Linears' latent
 weights (and their scales when learned) train; embeddings, norms and lm_head stay as stored, so the
-export copies them unchanged. The result goes through the same compressed-tensors exporter as PTQ.
+export copies them unchanged. The trained modules are written back as typed layer files, in the work
+folder's form, and the export compresses them as it does the PTQ results.
 
 Data: the calibration sources, tokenized and cut into `seq_len` windows; a seeded `holdout_fraction`
 of each source's windows is held out for evaluation. The micro-batch for (step, i) is drawn from a
@@ -38,10 +39,11 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.qat import QATLinear, latent_init
 from quantkit.data import DataError, pack_windows, read_documents
-from quantkit.export.compressed_tensors import compress_linear
 from quantkit.io import atomic_write_json
 from quantkit.algorithms.qat import QATStage
 from quantkit.plan import Plan
+from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+from quantkit.quantize.workdir import decode_layer, save_typed, split_layer
 from quantkit.recipe import CalibrationSpec, Recipe
 
 log = logging.getLogger("quantkit")
@@ -55,10 +57,9 @@ class QATError(RuntimeError):
 
 @dataclass
 class QATResult:
-    files: list[Path]  # compressed tensors of every quantized module (replace the PTQ layer files)
+    files: list[Path]  # typed layer files of the trained modules (replace the work folder's PTQ layer files)
     summary: dict  # recorded in manifest.json under "qat"
     extra_files: list[Path] = field(default_factory=list)  # copied into the export (the loss curve)
-    student: nn.Module | None = None  # the trained model in its training form (for tests and tools)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -104,51 +105,36 @@ def load_float(model_dir: Path, recipe: Recipe) -> nn.Module:
     return model.eval()
 
 
-def rewritten_tensors(tensors: dict[str, torch.Tensor], layer, model_keys: set[str]) -> dict[str, torch.Tensor]:
-    """Plain model tensors a transform stage rewrote (norm weights, biases), stored beside the layer's codes."""
-    names = tuple(t.name + "." for t in layer.targets)
-    return {k: v for k, v in tensors.items() if k in model_keys and not k.startswith(names)}
-
-
 def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list[Path],
                   device: torch.device) -> tuple[nn.Module, dict, "Teacher"]:
-    """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result,
-    and the teacher that computes the float model's logits through the same module tree (so only one
-    model is ever in memory: the QATLinears keep their original weights in the checkpoint's dtype)."""
-    from compressed_tensors.compressors import BaseCompressor
-
+    """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result
+    (the typed results of the work folder's layer files), and the teacher that computes the float model's
+    logits through the same module tree (so only one model is ever in memory: the QATLinears keep their
+    original weights in the checkpoint's dtype)."""
     st: QATStage = recipe.stages[-1]
     scale_dtype = getattr(torch, recipe.model.dtype)
     # after a transform (AWQ, SmoothQuant) the float weight is not the transformed one: start at the codes
     nudge = not any(getattr(s, "is_transform", False) for s in recipe.stages)
     model = load_float(model_dir, recipe)
-    model_keys = set(model.state_dict())
     params = dict(model.named_parameters())
     modules: dict[str, QATLinear] = {}
     originals: dict[str, torch.Tensor] = {}  # stored values of the float tensors a transform rewrote
     for layer, path in zip(plan.layers, layer_files):
-        tensors = load_file(str(path))
+        weights, rewritten = decode_layer(load_file(str(path)), layer)
         with torch.no_grad():
-            for k, v in rewritten_tensors(tensors, layer, model_keys).items():
+            for k, v in rewritten.items():
                 originals[k] = params[k].detach().to(scale_dtype).clone()
                 params[k].copy_(v.float())
         for members in layer.groups:
             for t in members:
-                local = {k[len(t.name) + 1:]: v for k, v in tensors.items() if k.startswith(t.name + ".")}
-                local["weight_scale"] = local["weight_scale"].float()  # exact fp32 dequantization
-                dec = BaseCompressor.get_value_from_registry(t.ct_scheme.format).decompress(dict(local), t.ct_scheme)
-                deq, scale = dec["weight"].float(), local["weight_scale"]  # [out, in], [out, n_groups]
-                zp = dec.get("weight_zero_point")
+                ptq = weights.pop(t.name)
                 lin = model.get_submodule(t.name)
-                g_idx = local.get("weight_g_idx")
-                g_idx = g_idx.long() if g_idx is not None else \
-                    torch.arange(lin.in_features) // (lin.in_features // scale.shape[1])  # [in] column -> group
-                latent = latent_init(lin.weight.float(), deq, scale[:, g_idx]) if nudge else deq
-                q = QATLinear(latent, lin.bias, scale, zp.float() if zp is not None else None, g_idx,
+                g_idx = ptq.columns()  # [in] column -> group
+                latent = latent_init(lin.weight.float(), ptq.weight, ptq.scale[:, g_idx]) if nudge else ptq.weight
+                q = QATLinear(latent, lin.bias, ptq.scale, ptq.zero_point, g_idx,
                               t.scheme.weights, t.scheme.activations, st.scales == "learned", scale_dtype)
-                if not torch.equal(q.export()[0], deq):
+                if not torch.equal(q.export()[0], ptq.weight):
                     raise QATError(f"{t.name}: the QAT start does not reproduce the PTQ weights (internal error)")
-                # the stored float weight and bias (the one a transform rewrote, if any, as it was stored)
                 q.keep_float(lin.weight, originals.get(t.name + ".bias", lin.bias), scale_dtype)
                 model.set_submodule(t.name, q)
                 modules[t.name] = q
@@ -281,10 +267,6 @@ def load_checkpoint(root: Path, params: dict[str, nn.Parameter], opt: torch.opti
     return state
 
 
-def _step_done(step: int) -> None:
-    """Called after every optimizer step (a seam for tests that simulate a crash)."""
-
-
 # ------------------------------------------------------------------------------------------------ run
 def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
           quiet: bool = False) -> dict:
@@ -325,7 +307,6 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
         state["wall_time_s"] = round(time.perf_counter() - t0, 2)
         if done % st.checkpoint_every == 0 or done == st.steps:
             save_checkpoint(root, done, params, opt, state)
-        _step_done(done)
     if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_disable"):
         student.gradient_checkpointing_disable()
     student.eval()
@@ -345,26 +326,11 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: lis
     student, modules, teacher = build_student(model_dir, recipe, plan, layer_files, device)
     state = train(student, teacher, modules, st, train_w, weights, heldout, root, quiet)
 
-    scale_dtype = getattr(torch, recipe.model.dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    targets = plan.targets
-    model_keys = set(load_float_keys(student, modules))
-    for layer, path in zip(plan.layers, layer_files):  # transform-rewritten tensors go out as the pipeline stored them
-        tensors.update(rewritten_tensors(load_file(str(path)), layer, model_keys))
-    for name, m in modules.items():
-        deq, scale, zp = m.export()
-        g_idx = m.g_idx if "weight_g_idx" in _ptq_keys(layer_files, name) else None
-        tensors.update(compress_linear(name, deq, scale, zp, g_idx, targets[name].ct_scheme, scale_dtype))
-        if on_weight is not None:
-            on_weight(name, deq.cpu().clone())
-    out = root / "export.safetensors"
-    tmp = root / ".export.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out)
+    files = write_results(plan, layer_files, modules, root / "layers", on_weight)
     plot = plot_losses(state, st, root / "qat_loss.png")
     first, last = state["eval"][0], state["eval"][-1]
     summary = {
-        "starts_from": sorted({t.method for t in targets.values()}),  # the quantizers of the PTQ start
+        "starts_from": sorted({t.method for t in plan.targets.values()}),  # the quantizers of the PTQ start
         "steps": st.steps, "loss": st.loss, "scales": st.scales, "lr": st.lr, "warmup_steps": st.warmup_steps,
         "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum, "seed": st.seed,
         "tokens_trained": st.steps * st.grad_accum * st.batch_size * st.seq_len,
@@ -375,24 +341,34 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: lis
     }
     log.info("qat done: held-out KL %.5f -> %.5f, CE %.4f -> %.4f in %.1fs", first["kl"], last["kl"],
              first["ce"], last["ce"], state["wall_time_s"])
-    return QATResult([out], summary, [plot] if plot else [], student)
+    return QATResult(files, summary, [plot] if plot else [])
 
 
-def load_float_keys(student: nn.Module, modules: dict[str, QATLinear]) -> list[str]:
-    """The student's state-dict keys, minus the QAT modules' own tensors (their codes are exported)."""
-    names = tuple(n + "." for n in modules)
-    return [k for k in student.state_dict() if not k.startswith(names)]
-
-
-def _ptq_keys(layer_files: list[Path], name: str) -> set[str]:
-    from safetensors import safe_open
-
-    for p in layer_files:
-        with safe_open(str(p), framework="pt") as f:
-            keys = {k[len(name) + 1:] for k in f.keys() if k.startswith(name + ".")}
-        if keys:
-            return keys
-    return set()
+def write_results(plan: Plan, layer_files: list[Path], modules: dict[str, QATLinear], out_dir: Path,
+                  on_weight=None) -> list[Path]:
+    """The trained modules as typed layer files in `out_dir`, in the work folder's form: the PTQ layer
+    file's float tensors a transform rewrote go out as the pipeline stored them, and g_idx where the PTQ
+    result carried one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for layer, path in zip(plan.layers, layer_files):
+        typed, rewritten = split_layer(load_file(str(path)), layer)
+        results = []
+        for t in layer.targets:
+            m = modules[t.name]
+            deq, scale, zp = m.export()
+            g_idx = m.g_idx.cpu() if f"{t.name}.g_idx" in typed else None
+            results.append(ModuleResult(t.name, {}, QuantizedWeight(deq.cpu(), scale.cpu(), zp.cpu() if zp is not None else None,
+                                                                    g_idx), t.scheme.weights))
+            if on_weight is not None:
+                on_weight(t.name, deq.cpu().clone())
+        if results:
+            results[0].rewritten.update(rewritten)
+        elif rewritten:
+            raise QATError(f"layer {layer.index}: float tensors were rewritten but no module is quantized (internal error)")
+        save_typed(out_dir / path.name, results)
+        files.append(out_dir / path.name)
+    return files
 
 
 def plot_losses(state: dict, st: QATStage, path: Path) -> Path | None:

@@ -47,6 +47,9 @@ class DataSource(Strict):
     field: str = "text"  # jsonl / parquet / disk / hub: the text column; chat: the messages column
     split: str = "train"  # disk / hub
     weight: float = Field(1.0, gt=0, description="share of the packed tokens drawn from this source")
+    encoding: Literal["replace", "strict"] = Field(
+        "replace", description="text / jsonl / chat files with invalid UTF-8: replace (U+FFFD, with a warning "
+                               "naming the file, byte offset and count) or strict (refuse the file)")
 
     @model_validator(mode="after")
     def _path_or_name(self) -> "DataSource":
@@ -67,7 +70,8 @@ class DataSource(Strict):
         if self.type != "builtin":
             return self
         c = BUILTIN_CORPORA[self.name]
-        return DataSource(type=c.reader, path=corpus_glob(self.name), field=c.field, weight=self.weight)
+        return DataSource(type=c.reader, path=corpus_glob(self.name), field=c.field, weight=self.weight,
+                          encoding=self.encoding)
 
 
 class CalibrationSpec(Strict):
@@ -158,6 +162,13 @@ class GateSpec(Strict):
     threshold: float
     relative: bool = Field(False, description="compare candidate / baseline instead of the candidate value")
     name: str | None = Field(None, description="label shown in the gate table and JUnit (default: derived)")
+
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _a_number(cls, v):
+        if isinstance(v, bool):  # YAML `true` would pass as 1.0
+            raise ValueError("a boolean is not a number; write the threshold as a number, e.g. 1.05")
+        return v
 
     @field_validator("metric")
     @classmethod

@@ -21,6 +21,14 @@ class Targeted(Strict):
                                description="module class names, or 're:<regex>' on module names")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("is empty, so the stage would quantize nothing; name module classes (e.g. [Linear]) "
+                             "or 're:<regex>' patterns, or remove the stage")
+        return v
+
     @field_validator("targets", "ignore")
     @classmethod
     def _patterns(cls, v: list[str]) -> list[str]:

@@ -107,7 +107,7 @@ def test_eval_hands_the_engine_absolute_paths(workdir, monkeypatch):
 
     monkeypatch.setitem(engine_mod.ENGINES, "vllm", Recorder)
     res = _run("eval", "out/tiny", "--suite", "smoke", "--output", "reports/tiny")
-    assert res.exit_code == 2 and "recorded, not started" in res.output
+    assert res.exit_code == 3 and "recorded, not started" in res.output  # an engine failure: exit 3
     (kw,) = seen  # the baseline, first
     assert kw["model_dir"] == workdir / "models" / "tiny" and kw["run_dir"] == workdir / "reports" / "tiny"
     # the command line and environment vLLM would be started with: nothing relative

@@ -114,13 +114,13 @@ def test_latent_start_keeps_the_ptq_codes():
 # ------------------------------------------------------------------------------------------ training
 def test_qat_lowers_heldout_kl_and_export_reloads_like_training(peaky_llama, calib_text, tmp_path, monkeypatch):
     kept = {}
-    orig = qat_runner.run
+    orig = qat_runner.build_student
 
     def spy(*a, **k):
-        kept["res"] = orig(*a, **k)
-        return kept["res"]
+        kept["student"], modules, teacher = orig(*a, **k)  # trained in place by qat.run
+        return kept["student"], modules, teacher
 
-    monkeypatch.setattr(qat_runner, "run", spy)
+    monkeypatch.setattr(qat_runner, "build_student", spy)
     out = tmp_path / "out"
     r, cap, man = _convert(peaky_llama, calib_text, [_qat()], out)
     q = man["qat"]
@@ -137,7 +137,7 @@ def test_qat_lowers_heldout_kl_and_export_reloads_like_training(peaky_llama, cal
     got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a = kept["res"].student(ids).logits
+        a = kept["student"](ids).logits
         b = got(ids).logits
     assert (a - b).abs().max() <= 1e-5 * a.abs().max()
     for name, w in cap.items():
@@ -169,11 +169,14 @@ def test_resume_after_crash_gives_the_same_weights(peaky_llama, calib_text, tmp_
     ref = tmp_path / "ref"
     _convert(peaky_llama, calib_text, stages, ref)
 
-    def crash(step):
-        if step == 5:
-            raise KeyboardInterrupt("simulated crash at step 5")
+    real_lr = qat_runner.lr_at
 
-    monkeypatch.setattr(qat_runner, "_step_done", crash)
+    def crash(step, st):  # the learning rate of step index 5 is asked for after 5 steps are done
+        if step == 5:
+            raise KeyboardInterrupt("simulated crash after step 5")
+        return real_lr(step, st)
+
+    monkeypatch.setattr(qat_runner, "lr_at", crash)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         _convert(peaky_llama, calib_text, stages, out)

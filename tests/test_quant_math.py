@@ -156,3 +156,45 @@ def test_gptq_recovers_from_cholesky_failure():
     assert res.damping > base * 5  # raised at least once, and recorded
     assert torch.isfinite(res.weight).all()
     assert torch.all(res.weight[:, 10] == 0)  # dead column zeroed
+
+
+@pytest.mark.parametrize("name, group, actorder", [("W4A16", 64, None), ("W4A16_ASYM", 32, None), ("W8A8", None, None),
+                                                   ("FP8_DYNAMIC", None, None), ("W4A16", 32, "group")])
+def test_typed_result_round_trips_through_the_work_folder_form(name, group, actorder, tmp_path):
+    """The work folder stores codes (1 byte each), scales, zero points and g_idx; decoding gives back the
+    exact dequantized weight and parameters, and a weight off its own grid is refused."""
+    from safetensors.torch import load_file
+
+    from quantkit.plan import ConvertError, LayerPlan, Target
+    from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+    from quantkit.quantize.workdir import decode_layer, save_typed
+
+    scheme = get_scheme(name).with_overrides(group_size=group)
+    w = _weight(64, 128)
+    if actorder:  # GPTQ's act-order result carries a permuted g_idx
+        X = _inputs(512, 128)
+        res = gptq_quantize(w, X.t() @ X, scheme.weights, actorder=actorder)
+        q = QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx)
+        assert q.g_idx is not None and not torch.equal(q.columns(), torch.arange(128) // group)
+    else:
+        deq, qp = rtn(w, scheme.weights)
+        q = QuantizedWeight(deq, qp.scale, qp.zero_point)
+    norm = torch.rand(128).to(torch.bfloat16)
+    t = Target("m.proj", 0, "rtn", scheme, None)
+    path = tmp_path / "00000.safetensors"
+    save_typed(path, [ModuleResult("m.proj", {}, q, scheme.weights, {"m.norm.weight": norm})])
+    stored = load_file(str(path))
+    assert stored["m.proj.codes"].dtype == (torch.float8_e4m3fn if scheme.weights.type == "float" else torch.int8)
+    assert stored["m.proj.codes"].shape == (64, 128)
+    weights, rewritten = decode_layer(stored, LayerPlan(0, "m.", groups=[[t]]))
+    back = weights["m.proj"]
+    assert torch.equal(back.weight, q.weight) and torch.equal(back.scale, q.scale.float())
+    assert (back.zero_point is None) == (q.zero_point is None)
+    if q.zero_point is not None:
+        assert torch.equal(back.zero_point, q.zero_point.float())
+    assert (back.g_idx is None) == (q.g_idx is None) and torch.equal(back.columns(), q.columns())
+    assert rewritten.keys() == {"m.norm.weight"} and torch.equal(rewritten["m.norm.weight"], norm)
+
+    off = QuantizedWeight(q.weight + 0.3 * q.scale.float()[:, q.columns()], q.scale, q.zero_point, q.g_idx)
+    with pytest.raises(ConvertError, match="m.proj: the quantized weight is not on its own grid"):
+        save_typed(tmp_path / "00001.safetensors", [ModuleResult("m.proj", {}, off, scheme.weights)])

@@ -17,19 +17,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import JsonOut, Quiet, fail
+from quantkit.cli.common import JsonOut, Quiet
 
 recipes_app = typer.Typer(no_args_is_help=True, help="Validate and list recipes.")
 models_app = typer.Typer(no_args_is_help=True, help="Demo models.")
-
-
-def _user_errors():
-    from quantkit.data import DataError
-    from quantkit.model import ModelError
-    from quantkit.plan import ConvertError
-    from quantkit.recipe import RecipeError
-
-    return (RecipeError, ModelError, DataError, ConvertError, FileExistsError, FileNotFoundError)
 
 
 def convert(
@@ -44,11 +35,8 @@ def convert(
     from quantkit import api
     from quantkit.recipe import load_recipe
 
-    try:
-        r = load_recipe(recipe, set_ or [])
-        out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet)
-    except _user_errors() as exc:
-        fail(str(exc))
+    r = load_recipe(recipe, set_ or [])
+    out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet)
     typer.echo(str(out))
 
 
@@ -57,10 +45,7 @@ def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact fo
     """Print an artifact's summary and verify every file's sha256 (exit 1 on any mismatch)."""
     from quantkit import api
 
-    try:
-        summary = api.inspect(folder)
-    except FileNotFoundError as exc:
-        fail(str(exc))
+    summary = api.inspect(folder)
     problems = summary.pop("problems")
     if json_out:
         typer.echo(json.dumps({**summary, "problems": problems}, indent=2))
@@ -80,10 +65,7 @@ def capability(artifacts: Annotated[Optional[list[Path]], typer.Argument(help="A
     """
     from quantkit import api
 
-    try:
-        cap = api.capability(artifacts or [])
-    except (FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
+    cap = api.capability(artifacts or [])
     if json_out:
         typer.echo(json.dumps(cap, indent=2))
     else:
@@ -141,13 +123,9 @@ def recipes_corpora() -> None:
 @models_app.command("fetch")
 def models_fetch(name: Annotated[str, typer.Argument(help="Demo model name, e.g. smollm2-135m.")], quiet: Quiet = False) -> None:
     """Make a demo model available as a local bf16 safetensors folder in QUANTKIT_HOME."""
-    from quantkit.model import ModelError
     from quantkit.model.sources import ensure_demo_model
 
-    try:
-        typer.echo(str(ensure_demo_model(name, quiet=quiet)))
-    except ModelError as exc:
-        fail(str(exc))
+    typer.echo(str(ensure_demo_model(name, quiet=quiet)))
 
 
 def register(app: typer.Typer) -> None:

@@ -31,9 +31,6 @@ def eval_cmd(
 ) -> None:
     """Load baseline and candidate into vLLM (one at a time) and measure quality, memory and speed on the same work."""
     from quantkit.api import evaluate
-    from quantkit.engine import EngineError
-    from quantkit.evaluate.tasks import TaskError
-    from quantkit.recipe import RecipeError
 
     if artifact is None and candidate_url is None:
         fail("give an ARTIFACT folder or --candidate-url")
@@ -44,8 +41,6 @@ def eval_cmd(
     except KeyboardInterrupt:
         typer.echo("interrupted: engines stopped; figures of models already finished are in the output's raw/ folder", err=True)
         raise typer.Exit(130) from None
-    except (EngineError, TaskError, RecipeError, FileNotFoundError, FileExistsError, ValueError) as exc:
-        fail(str(exc))
     typer.echo(str(out / "report.json"))
 
 

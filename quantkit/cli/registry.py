@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import JsonOut, fail
+from quantkit.cli.common import JsonOut
 
 Registry = Annotated[Optional[str], typer.Option(
     "--registry", "-r", envvar="QUANTKIT_REGISTRY",
@@ -39,15 +39,6 @@ def _quiet_mlflow() -> None:
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _errors() -> tuple[type[BaseException], ...]:
-    from mlflow.exceptions import MlflowException
-
-    from quantkit.gates import GateError
-    from quantkit.registry import RegistryError
-
-    return (RegistryError, GateError, MlflowException, FileExistsError, FileNotFoundError)
 
 
 def _print_version(info, as_json: bool) -> None:
@@ -66,12 +57,9 @@ def gate(report: Annotated[Path, typer.Argument(help="report.json, or the artifa
          junit: Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (for CI).")] = None,
          json_out: JsonOut = False) -> None:
     """Check the gates (recipe's, else the scheme's defaults) on an eval report; exit 0 if all pass, else 1."""
-    from quantkit.gates import GateError, format_table, run_gates, write_junit
+    from quantkit.gates import format_table, run_gates, write_junit
 
-    try:
-        gr = run_gates(report)
-    except GateError as exc:
-        fail(str(exc))
+    gr = run_gates(report)
     if junit:
         write_junit(gr, junit)
     typer.echo(json.dumps(gr.to_dict(), indent=2) if json_out else format_table(gr))
@@ -87,10 +75,7 @@ def publish(artifact: Annotated[Path, typer.Argument(help="An exported artifact 
     from quantkit import registry as reg
 
     _quiet_mlflow()
-    try:
-        info = reg.publish(artifact, registry_uri=registry, name=name, report=report)
-    except _errors() as exc:
-        fail(str(exc))
+    info = reg.publish(artifact, registry_uri=registry, name=name, report=report)
     if json_out:
         _print_version(info, True)
     else:
@@ -105,10 +90,7 @@ def promote(name: Annotated[str, typer.Argument(help="Registered model name.")],
     from quantkit import registry as reg
 
     _quiet_mlflow()
-    try:
-        info = reg.promote(name, version, alias, registry_uri=registry)
-    except _errors() as exc:
-        fail(str(exc))
+    info = reg.promote(name, version, alias, registry_uri=registry)
     typer.echo(f"{name}@{alias} -> version {info.version}")
 
 
@@ -118,10 +100,7 @@ def rollback(name: Annotated[str, typer.Argument(help="Registered model name.")]
     from quantkit import registry as reg
 
     _quiet_mlflow()
-    try:
-        info = reg.rollback(name, alias, registry_uri=registry)
-    except _errors() as exc:
-        fail(str(exc))
+    info = reg.rollback(name, alias, registry_uri=registry)
     typer.echo(f"{name}@{alias} -> version {info.version} (rolled back)")
 
 
@@ -135,10 +114,7 @@ def registry_list(name: Annotated[Optional[str], typer.Argument(help="Model name
     from quantkit import registry as reg
 
     _quiet_mlflow()
-    try:
-        rows = [v.to_dict() for v in reg.list_versions(name, registry)] if name else reg.list_models(registry)
-    except _errors() as exc:
-        fail(str(exc))
+    rows = [v.to_dict() for v in reg.list_versions(name, registry)] if name else reg.list_models(registry)
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
     elif name:
@@ -160,10 +136,7 @@ def registry_show(name: Annotated[str, typer.Argument(help="Registered model nam
     from quantkit import registry as reg
 
     _quiet_mlflow()
-    try:
-        info = reg.show(name, version, registry)
-    except _errors() as exc:
-        fail(str(exc))
+    info = reg.show(name, version, registry)
     _print_version(info, json_out)
 
 
@@ -177,10 +150,7 @@ def registry_pull(name: Annotated[str, typer.Argument(help="Registered model nam
     from quantkit import registry as reg
 
     _quiet_mlflow()
-    try:
-        out = reg.pull(name, version, dest, registry, overwrite=overwrite)
-    except _errors() as exc:
-        fail(str(exc))
+    out = reg.pull(name, version, dest, registry, overwrite=overwrite)
     typer.echo(str(out))
 
 

@@ -12,6 +12,11 @@ Command: `python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.
 torch.compile warm-up (~27 s instead of ~95 s to start here). The process runs in its own session so
 the API server, its EngineCore and worker processes are stopped together (SIGTERM to the group, then
 SIGKILL after a grace period), on success, on error and on Ctrl-C/SIGTERM of quantkit itself.
+
+No orphans, even under kill -9 of quantkit: a watchdog process (quantkit/engine/watchdog.py) holds the
+read end of a pipe only quantkit writes to, and stops the engine's group when that pipe closes. The run
+folder records every running engine in `engines/<served name>.json` (PIDs, port, command); a later run in
+that folder stops an engine such a record still names (`stop_stale_engines`) before it starts its own.
 Caches (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR) and the log live in the run folder.
 """
 
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.engine import Endpoint, EngineError
+from quantkit.engine import watchdog
+from quantkit.io import atomic_write_json
 from quantkit.engine.logs import explain_failure, parse_engine_log
 from quantkit.engine.procmon import ProcessTreeMonitor
 
@@ -106,6 +113,8 @@ class VLLMServer:
         self.monitor = ProcessTreeMonitor(monitor_interval_s)
         self._log_file = None
         self._old_sigterm = None
+        self._watchdog: subprocess.Popen | None = None
+        self.record_path = self.run_dir / "engines" / f"{served_name}.json"
         self.start_s: float | None = None
 
     def command(self, port: int) -> list[str]:
@@ -135,6 +144,7 @@ class VLLMServer:
         ok, why = artifact_can_run(self.model_dir, _device())
         if not ok:  # known before a start that would take minutes and then fail
             raise EngineError(f"{self.model_dir} cannot be served by vLLM on this machine: {why}")
+        stop_stale_engines(self.run_dir)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         port = free_port()
         cmd = self.command(port)
@@ -147,6 +157,7 @@ class VLLMServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.environment(),
                                      cwd=self.run_dir, start_new_session=True)
         try:
+            self._watch(port, cmd)
             self.monitor.start(self.proc.pid)
             base = f"http://127.0.0.1:{port}"
             self._wait_ready(base)
@@ -180,6 +191,15 @@ class VLLMServer:
         raise EngineError(f"vLLM did not become ready within {self.ready_timeout_s:.0f} s for {self.model_dir}; "
                           f"the machine may be busy (raise eval.ready_timeout_s) — see {self.log_path}")
 
+    def _watch(self, port: int, cmd: list[str]) -> None:
+        """Start the watchdog that stops the engine's group if quantkit dies, and record the engine."""
+        self._watchdog = subprocess.Popen([sys.executable, "-I", watchdog.__file__, str(self.proc.pid), "20"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True)
+        atomic_write_json(self.record_path, {
+            "pid": self.proc.pid, "pgid": self.proc.pid, "port": port, "watchdog_pid": self._watchdog.pid,
+            "owner_pid": os.getpid(), "started": time.time(), "model": str(self.model_dir), "command": cmd})
+
     def stop(self, grace_s: float = 20.0) -> None:
         """Stop the whole process group: SIGTERM, wait, then SIGKILL. Safe to call twice."""
         if self.proc is not None and self.proc.poll() is None:
@@ -195,12 +215,53 @@ class VLLMServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.monitor.stop()
+        if self._watchdog is not None:  # the group is gone: closing its pipe lets the watchdog exit
+            with contextlib.suppress(OSError):
+                self._watchdog.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._watchdog.wait(timeout=10)
+            self._watchdog = None
+        self.record_path.unlink(missing_ok=True)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+
+
+def _is_engine(pid: int, record: dict) -> bool:
+    """Whether `pid` is still the engine a record names (not a process that reused its PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"vllm" in part for part in cmdline) and record.get("model", "").encode() in b" ".join(cmdline)
+
+
+def stop_stale_engines(run_dir: Path, grace_s: float = 10.0) -> list[int]:
+    """Stop engines that a run folder's records name and that still run, left by a quantkit that died
+    before its watchdog could act (or with it). Returns the PIDs stopped; every record is removed."""
+    import json
+    import logging
+
+    stopped = []
+    for rec in sorted((Path(run_dir) / "engines").glob("*.json")):
+        try:
+            record = json.loads(rec.read_text())
+        except (OSError, ValueError):
+            record = {}
+        pid = record.get("pid")
+        owner = record.get("owner_pid")
+        owner_alive = owner not in (None, os.getpid()) and Path(f"/proc/{owner}").exists()
+        if isinstance(pid, int) and _is_engine(pid, record) and not owner_alive:
+            logging.getLogger("quantkit").warning("stopping a stale engine (PID %d, port %s) left in %s by a run "
+                                                  "that ended without stopping it", pid, record.get("port"), run_dir)
+            watchdog.stop_group(record.get("pgid", pid), grace_s)
+            stopped.append(pid)
+        if not owner_alive:
+            rec.unlink(missing_ok=True)
+    return stopped
 
 
 def _device() -> str:

@@ -24,6 +24,8 @@ import httpx
 from quantkit.engine import ENGINES, EngineError
 from quantkit.engine.client import ServerError, prompt_logprobs
 from quantkit.engine.prom import kv_capacity_tokens
+from quantkit.engine.vllm_server import stop_stale_engines
+from quantkit.errors import QuantkitError
 from quantkit.evaluate import baseline_cache as BC
 from quantkit.evaluate import quality as Q
 from quantkit.evaluate.memory import memory_figures
@@ -32,6 +34,8 @@ from quantkit.evaluate.suite import load_suite, resolve_file
 from quantkit.evaluate.tasks import TaskError, run_tasks
 from quantkit.hardware import hardware
 from quantkit.io import atomic_write_json
+from quantkit.locks import exclusive, lock_beside
+from quantkit.model.sources import load_tokenizer
 from quantkit.recipe import EvalSpec
 
 
@@ -49,9 +53,7 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
              served_model: str | None = None, skip_baseline: bool = False, overwrite: bool = False,
              fresh_baseline: bool = False, progress: Callable[[str], None] = print) -> Path:
     """Evaluate an artifact against its baseline; returns the report folder (see the module docstring)."""
-    from transformers import AutoTokenizer
-
-    from quantkit.evaluate.report import default_output, write_report
+    from quantkit.evaluate.report import default_output
     from quantkit.export.manifest import read_manifest
 
     t_start = time.perf_counter()
@@ -65,20 +67,35 @@ def run_eval(artifact: Path | None, baseline: Path | None = None, suite: str | P
         if not (baseline / "config.json").is_file():
             raise FileNotFoundError(f"the artifact's base model {baseline} is missing; pass --baseline MODEL_DIR")
     if artifact is None and candidate_url is None:
-        raise ValueError("give an artifact folder, or --candidate-url for an already-running server")
+        raise QuantkitError("give an artifact folder, or --candidate-url for an already-running server")
     name = manifest["name"] if manifest else "external"
     output = output or (default_output(artifact) if artifact else Path("runs").resolve() / f"{name}-eval")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(lock_beside(output), f"an eval into {output}"):
+        return _run_eval_locked(artifact, baseline, output, manifest, spec, name, candidate_url, baseline_url,
+                                served_model, skip_baseline, overwrite, fresh_baseline, progress, t_start)
+
+
+def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec, name: str, candidate_url,
+                     baseline_url, served_model, skip_baseline: bool, overwrite: bool, fresh_baseline: bool, progress,
+                     t_start: float) -> Path:
+    from quantkit.evaluate.report import write_report
+    from quantkit.model.integrity import verify_model_folder
+
+    stop_stale_engines(output)  # an engine a killed eval left behind in this folder (its record is in it)
+    for folder, what in ((artifact, "artifact"), (baseline, "baseline model")):
+        if folder is not None:
+            verify_model_folder(folder, what)
     if output.exists() and any(output.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite or choose --output")
         shutil.rmtree(output)
     output.mkdir(parents=True, exist_ok=True)
-    output = output.resolve()
 
     tok_dir = Path(artifact or baseline) if (artifact or baseline) else None
     if tok_dir is None:
-        raise ValueError("a local tokenizer is needed: pass the artifact folder or --baseline")
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        raise QuantkitError("a local tokenizer is needed: pass the artifact folder or --baseline")
+    tokenizer = load_tokenizer(tok_dir)
     ppl_files = [resolve_file(f) for f in spec.perplexity_files]
     stream = [t for f in ppl_files for t in tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]]
     w = spec.workload

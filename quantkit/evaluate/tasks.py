@@ -6,8 +6,8 @@ via `echo` + `logprobs`) tasks. It needs a local tokenizer folder to split conte
 
 Task YAMLs in `evals/tasks` (shipped with quantkit, see quantkit.resources) name their data relative to
 the repository root (`evals/data/X.jsonl`); `datasets` would resolve that against the working
-directory, so they are rendered into the run folder with absolute paths first (the same rewrite as
-`evals/tools/render_tasks.py`).
+directory, so they are rendered into the run folder with absolute paths first (`render_tasks`, which
+`evals/tools/render_tasks.py` also calls for people who run lm-eval by hand).
 
 Per task the primary metric is `acc` for multiple-choice tasks and `exact_match` (whatever filter)
 for generation tasks; per-item successes (metric == 1) feed the cost per successful task.

@@ -1,8 +1,9 @@
 """The export: one folder vLLM serves as it is, written from the pipeline's work folder.
 
 `write_artifact` lays out, in a scratch folder the caller renames into place:
-- the safetensors shards: the stored tensors the quantization left alone, then the pipeline's (or QAT's)
-  compressed tensors and the float tensors a transform rewrote, streamed one tensor at a time;
+- the safetensors shards: the stored tensors the quantization left alone, then the compressed tensors of
+  the pipeline's (or QAT's) typed results and the float tensors a transform rewrote, streamed one
+  tensor at a time;
 - config.json with the compressed-tensors `quantization_config` (one config group per stage);
 - the tokenizer and generation files, convert.log and any extra files (the QAT loss curve);
 - manifest.json, built by quantkit.export.manifest.
@@ -15,7 +16,10 @@ import shutil
 import time
 from pathlib import Path
 
-from quantkit.export.compressed_tensors import quantization_config, write_config
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.export.compressed_tensors import compress_linear, quantization_config, write_config
 from quantkit.export.manifest import MANIFEST, build_manifest
 from quantkit.export.shards import refs_from_checkpoint, write_shards
 from quantkit.io import atomic_write_json, peak_rss_bytes
@@ -24,6 +28,27 @@ from quantkit.plan import Plan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def compress_results(plan: Plan, typed_files: list[Path], out_dir: Path, scale_dtype: torch.dtype) -> list[Path]:
+    """Compress the typed layer files (quantkit/quantize/workdir.py) into compressed-tensors tensors, one
+    layer file at a time, into `out_dir`: the only place results become the export's format."""
+    from quantkit.quantize.workdir import decode_layer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for layer, path in zip(plan.layers, typed_files):
+        weights, rewritten = decode_layer(load_file(str(path)), layer)
+        tensors = dict(rewritten)
+        for t in layer.targets:
+            q = weights.pop(t.name)
+            tensors.update(compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, scale_dtype))
+        dest = out_dir / path.name
+        tmp = out_dir / f".{path.name}.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(dest)
+        files.append(dest)
+    return files
 
 
 def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, produced: LazyCheckpoint, plan: Plan,

@@ -78,7 +78,7 @@ def verify(folder: Path) -> list[str]:
             continue
         if p.stat().st_size != info["size"]:
             problems.append(f"{name}: size {p.stat().st_size} != {info['size']} in the manifest")
-        elif sha256_file(p) != info["sha256"]:
+        elif sha256_file(p) != info["sha256"]:  # always re-read: this is the check of record
             problems.append(f"{name}: sha256 does not match the manifest")
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != MANIFEST and p.name not in listed and p.suffix in (".safetensors", ".json"):

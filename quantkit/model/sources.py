@@ -194,3 +194,14 @@ def ensure_demo_model(name: str, quiet: bool = False) -> Path:
             }, indent=2) + "\n")
     log(f"demo model ready: {out}")
     return out
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
+    """The folder's tokenizer, or a ModelError naming the folder and the fix when its files do not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a damaged tokenizer
+        raise ModelError(f"{model_dir}: the tokenizer files do not load ({type(exc).__name__}: {str(exc)[:200]}); "
+                         "re-download tokenizer.json / tokenizer_config.json, or copy them from the base model") from exc

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantkit.schemes import WeightSpec
+
 
 @dataclass
 class Observations:
@@ -34,6 +36,13 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None = None  # [out, n_groups] integer-valued, asymmetric schemes only
     g_idx: torch.Tensor | None = None  # [in] column -> group, only when the export must carry it
     stats: dict = field(default_factory=dict)  # method diagnostics for the manifest (gptq_loss, damping)
+
+    def columns(self) -> torch.Tensor:
+        """[in] column -> group: g_idx when there is one, else contiguous groups of equal size."""
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        in_features, n_groups = self.weight.shape[1], self.scale.shape[1]
+        return torch.arange(in_features, device=self.scale.device) // (in_features // n_groups)
 
 
 @dataclass
@@ -56,9 +65,13 @@ class TransformScales:
 
 @dataclass
 class ModuleResult:
-    """What the pipeline keeps of one quantized module: the export's tensors and the manifest's stats.
-    Float tensors a transform rewrote (a folded norm weight, a bias) travel in `tensors` too."""
+    """What the pipeline keeps of one quantized module: its typed quantization, the scheme it follows and
+    the manifest's stats. Float tensors a transform rewrote on the way (a folded norm weight, a bias)
+    travel with it in `rewritten`, under their parameter names. Compression into the export's format
+    happens once, at export (quantkit/export/artifact.py)."""
 
     name: str
     stats: dict
-    tensors: dict[str, torch.Tensor]
+    weight: QuantizedWeight
+    spec: WeightSpec
+    rewritten: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -27,7 +27,6 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.gptq import HessianAccumulator
 from quantkit.algorithms.rtn import activation_pre_hook, output_sqnr_db, sqnr_db
-from quantkit.export.compressed_tensors import compress_linear
 from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release
@@ -113,11 +112,10 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
             elif obs.sample is not None:
                 xs = obs.sample
                 stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ q.weight.t()), 3)
-            tensors = compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, job.scale_dtype)
             m.weight.data = q.weight.to(m.weight.dtype)
             if job.on_weight is not None:
                 job.on_weight(t.name, q.weight.detach().cpu().clone())
-            out.append(ModuleResult(t.name, stats, tensors))
+            out.append(ModuleResult(t.name, stats, q, t.scheme.weights))
     return out
 
 
@@ -216,7 +214,7 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
     for r in results:  # diagnostics and folded float tensors travel with the target
         if r.name in smoothed:
             r.stats["smoothing"] = smoothed[r.name].smoothing
-            r.tensors.update(smoothed[r.name].tensors)
+            r.rewritten.update(smoothed[r.name].tensors)
     return results, out
 
 

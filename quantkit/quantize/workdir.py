@@ -1,5 +1,11 @@
-"""The resume folder of a conversion (`.<output>.partial/work/`): per layer, the modules' compressed
-tensors (safetensors) and stats (JSON), the next layer's input, and state.json naming the next layer.
+"""The resume folder of a conversion (`.<output>.partial/work/`): per layer, the modules' typed results
+(safetensors) and stats (JSON), the next layer's input, and state.json naming the next layer.
+
+A layer file holds, per quantized module, its codes (`<module>.codes`: int8 for integer schemes, e4m3 for
+fp8), `<module>.scale` (fp32, holding values exact in the storage dtype), `<module>.zero_point` (int8,
+asymmetric only) and `<module>.g_idx` (int32, only when the export carries it), plus the float tensors a
+transform rewrote under their parameter names. This is the internal form every later step reads (QAT
+starts from it and writes it back); only the export compresses it, once, into compressed-tensors.
 
 Every file is written under a temporary name and renamed, and state.json moves on only after a layer's
 files are in place, so `kill -9` at any point leaves a state a rerun continues from byte-identically.
@@ -15,9 +21,57 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantkit.algorithms.rtn import dequantize_codes, quantize_codes
 from quantkit.io import atomic_write_json
-from quantkit.plan import ConvertError
-from quantkit.quantize.contract import ModuleResult
+from quantkit.plan import ConvertError, LayerPlan
+from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+from quantkit.schemes import WeightSpec
+
+TYPED_FIELDS = ("codes", "scale", "zero_point", "g_idx")
+
+
+def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
+    """One module's typed result as tensors (its codes, not the dequantized weight: 1 byte per weight)."""
+    q, spec = r.weight, r.spec
+    cols = q.columns()  # [in] column -> group
+    s = q.scale.float()[:, cols]  # [out, in]
+    z = q.zero_point.float()[:, cols] if q.zero_point is not None else None
+    codes = quantize_codes(q.weight.float(), s, z, spec)  # fp32 code values
+    if not torch.equal(dequantize_codes(codes, s, z, spec), q.weight.float()):
+        raise ConvertError(f"{r.name}: the quantized weight is not on its own grid (internal error)")
+    out = {f"{r.name}.codes": codes.to(torch.float8_e4m3fn if spec.type == "float" else torch.int8),
+           f"{r.name}.scale": q.scale.float()}
+    if q.zero_point is not None:
+        out[f"{r.name}.zero_point"] = q.zero_point.to(torch.int8)
+    if q.g_idx is not None:
+        out[f"{r.name}.g_idx"] = q.g_idx.to(torch.int32)
+    for k, v in r.rewritten.items():
+        out[k] = v
+    return {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}  # own storage each (g_idx is shared)
+
+
+def decode_weight(tensors: dict[str, torch.Tensor], name: str, spec: WeightSpec) -> QuantizedWeight:
+    """The QuantizedWeight a layer file holds for module `name` (weight dequantized exactly, fp32)."""
+    codes, zp, g_idx = tensors[f"{name}.codes"].float(), tensors.get(f"{name}.zero_point"), tensors.get(f"{name}.g_idx")
+    q = QuantizedWeight(codes, tensors[f"{name}.scale"].float(), zp.float() if zp is not None else None,
+                        g_idx.long() if g_idx is not None else None)  # weight holds the codes until dequantized
+    cols = q.columns()  # [in] column -> group
+    q.weight = dequantize_codes(codes, q.scale[:, cols], q.zero_point[:, cols] if zp is not None else None, spec)
+    return q
+
+
+def split_layer(tensors: dict[str, torch.Tensor], layer: LayerPlan) -> tuple[dict[str, torch.Tensor],
+                                                                              dict[str, torch.Tensor]]:
+    """A layer file's tensors: (the modules' typed fields, the float tensors a transform rewrote)."""
+    own = {f"{t.name}.{f}" for t in layer.targets for f in TYPED_FIELDS}
+    return ({k: v for k, v in tensors.items() if k in own}, {k: v for k, v in tensors.items() if k not in own})
+
+
+def decode_layer(tensors: dict[str, torch.Tensor], layer: LayerPlan) -> tuple[dict[str, QuantizedWeight],
+                                                                               dict[str, torch.Tensor]]:
+    """A layer file's typed results by module name, and the float tensors a transform rewrote."""
+    typed, rewritten = split_layer(tensors, layer)
+    return {t.name: decode_weight(typed, t.name, t.scheme.weights) for t in layer.targets}, rewritten
 
 
 class WorkDir:
@@ -48,10 +102,7 @@ class WorkDir:
         return int(st["next_layer"])
 
     def save_layer(self, index: int, results: list[ModuleResult], hidden: torch.Tensor | None) -> None:
-        tensors = {k: v for r in results for k, v in r.tensors.items()}
-        tmp = self.layers / f".{index:05d}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(self.layers / f"{index:05d}.safetensors")
+        save_typed(self.layers / f"{index:05d}.safetensors", results)
         atomic_write_json(self.layers / f"{index:05d}.json", {r.name: r.stats for r in results})
         if hidden is not None:
             tmp = self.root / f".hidden-{index + 1:05d}.tmp"
@@ -74,3 +125,13 @@ class WorkDir:
         for i in range(n):
             stats.update(json.loads((self.layers / f"{i:05d}.json").read_text()))
         return stats
+
+
+def save_typed(path: Path, results: list[ModuleResult]) -> None:
+    """One layer's typed results in one safetensors file, written under a temporary name and renamed."""
+    tensors: dict[str, torch.Tensor] = {}
+    for r in results:
+        tensors.update(encode_result(r))
+    tmp = path.with_name(f".{path.stem}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)

@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from quantkit.export.manifest import read_manifest
-from quantkit.io import atomic_dir
+from quantkit.io import atomic_dir, quantkit_home
+from quantkit.locks import exclusive
 from quantkit.registry.base import (Bundle, RegistryClient, RegistryError, VersionInfo, prepare_bundle,
                                     resolve_previous, verify_pulled)
 
@@ -69,10 +70,21 @@ def publish(artifact: str | Path, registry_uri: str | None = None, name: str | N
     registry_uri = registry_uri or pub.get("registry")
     reg = _client(registry_uri, client)  # constructing a client contacts nothing
     name = name or reg.default_name() or pub.get("name") or read_manifest(Path(artifact))["name"]
-    with tempfile.TemporaryDirectory(prefix="quantkit-publish-") as tmp:
+    with exclusive(publish_lock(registry_uri, name), f"a publish of {name!r}"), \
+            tempfile.TemporaryDirectory(prefix="quantkit-publish-") as tmp:
         # every refusal happens here, before the registry is contacted
         bundle = prepare_bundle(artifact, name, Path(tmp), report, registry_hint=reg.explicit_uri)
         return reg.publish(bundle, Path(tmp))
+
+
+def publish_lock(registry_uri: str | None, name: str) -> Path:
+    """The lock that makes publishes of one model name to one registry one at a time on this machine (two at
+    once would both read "latest = n" and race for version n + 1)."""
+    import hashlib
+    import re
+
+    key = hashlib.sha256(f"{registry_uri or 'embedded'}\n{name}".encode()).hexdigest()[:12]
+    return quantkit_home() / "locks" / f"publish-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}-{key}.lock"
 
 
 def promote(name: str, version: str, alias: str = DEFAULT_ALIAS, registry_uri: str | None = None,
