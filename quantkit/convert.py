@@ -19,6 +19,7 @@ import torch
 
 from quantkit.errors import ENVIRONMENT_ERRNOS, EnvironmentFault, environment_fault, human_bytes
 from quantkit.export.shards import element_size
+from quantkit.hardware import compute_dtype, conversion_device
 from quantkit.io import model_fingerprint, replace_dir
 from quantkit.locks import exclusive, lock_beside
 from quantkit.recipe import Recipe
@@ -35,8 +36,12 @@ def partial_dir(output: Path) -> Path:
 
 
 def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, overwrite: bool = False,
-            quiet: bool = False, on_weight: Callable[[str, torch.Tensor], None] | None = None) -> Path:
+            quiet: bool = False, on_weight: Callable[[str, torch.Tensor], None] | None = None,
+            device: str = "auto") -> Path:
     """Quantize the model a recipe names into `output` (default: export.output_dir or runs/<name>).
+
+    `device`: auto (the first GPU, else the CPU), cpu, cuda or cuda:N: where each layer, its Hessians and
+    (when they fit) the calibration activations live; everything else stays on the CPU or on disk.
 
     `on_weight`, when given, is called with every quantized module's dequantized weight and every float
     tensor a transform or QAT rewrote, by parameter name (a public hook for tools that compare the export
@@ -49,10 +54,11 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     with exclusive(lock_beside(output), f"a conversion into {output}"):
         if output.exists() and not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
-        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start)
+        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start, device)
 
 
-def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on_weight, t_start: float) -> Path:
+def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on_weight, t_start: float,
+                    device_spec: str) -> Path:
     from quantkit import qat as qat_stage
     from quantkit.data import build_calibration_set
     from quantkit.export.artifact import compress_results, write_artifact
@@ -65,6 +71,8 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     from quantkit.quantize.workdir import WorkDir
 
     # everything that can refuse the inputs runs before the work folder exists
+    device, device_why = conversion_device(device_spec)
+    compute, compute_why = compute_dtype(recipe.model.compute_dtype, device)
     model_dir = resolve_model_dir(recipe.model, quiet=quiet)
     verify_model_folder(model_dir)
     tok = load_tokenizer(model_dir, recipe.model.trust_remote_code)
@@ -80,16 +88,16 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     try:
         with _log_to(partial / "convert.log"):
             log.info("convert %s -> %s (about %s of disk needed)", recipe.name, output, human_bytes(needed))
+            log.info("device %s (%s); calibration forward in %s (%s)", device, device_why, compute, compute_why)
             if calib:
                 log.info("calibration: %d x %d tokens, fingerprint %s", *calib.input_ids.shape, calib.fingerprint[:16])
             fingerprint = {"recipe": recipe.hash(), "model": model_fingerprint(model_dir),
-                           "calibration": calib.fingerprint if calib else None}
+                           "calibration": calib.fingerprint if calib else None, "compute_dtype": compute}
             work = WorkDir(partial / "work")
             start = work.start(fingerprint, restart)
             if start:
                 log.info("resuming after layer %d", start - 1)
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            job = Job(recipe, getattr(torch, recipe.model.dtype), on_weight)
+            job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight)
             process_layers(model, arch, source, plan, job, work, start, calib.input_ids if calib else None, device, quiet)
 
             n_layers = len(plan.layers)
@@ -107,7 +115,9 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
                      "base_model": {"path": recipe.model.path, "resolved_dir": str(model_dir),
                                     "fingerprint": fingerprint["model"]},
                      "calibration": calib.summary() if calib else None, "qat": qat.summary if qat else None,
-                     "conversion": {"device": str(device), "resumed_at_layer": start or None}}
+                     "conversion": {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
+                                    "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
+                                    "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}}
             manifest = write_artifact(export_dir, model_dir, source, LazyCheckpoint(compressed, produced), plan,
                                       work.layer_stats(n_layers), recipe.export.max_shard_size_mb * 1024 * 1024,
                                       qat.extra_files if qat else [], facts, t_start)

@@ -76,3 +76,41 @@ def hardware() -> dict:
 
     return {"cpu": cpu_model(), "cpu_flags": key_flags(), "cpu_kind": cpu_kind(), "cpu_count": os.cpu_count(),
             "memory_bytes": psutil.virtual_memory().total, "platform": platform.platform(), "gpu": cuda_device()}
+
+
+def conversion_device(spec: str = "auto"):
+    """(torch.device, why) for `--device auto|cpu|cuda|cuda:N`: auto takes the first GPU when there is one."""
+    import torch
+
+    from quantkit.errors import QuantkitError
+
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", 0), f"auto: the first GPU ({torch.cuda.get_device_name(0)})"
+        return torch.device("cpu"), "auto: no GPU visible to torch"
+    if spec == "cpu":
+        return torch.device("cpu"), "asked for"
+    if spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
+        index = int(spec[5:]) if ":" in spec else 0
+        if not torch.cuda.is_available():
+            raise QuantkitError(f"--device {spec}: torch sees no GPU here (torch {torch.__version__}, built "
+                                f"{'without' if torch.version.cuda is None else 'with'} CUDA); use --device cpu or auto")
+        if index >= torch.cuda.device_count():
+            raise QuantkitError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s) "
+                                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+        return torch.device("cuda", index), "asked for"
+    raise QuantkitError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
+
+
+def compute_dtype(requested: str, device) -> tuple[str, str]:
+    """(dtype name, why) the calibration forward runs in. `auto`: bfloat16 where the hardware computes it
+    natively (CUDA; CPUs with AMX or AVX512-BF16), float32 elsewhere, where bf16 matmuls are emulated and
+    slower than fp32. Hessians and the GPTQ/AWQ math are fp32 either way."""
+    if requested != "auto":
+        return requested, "set in the recipe (model.compute_dtype)"
+    if getattr(device, "type", str(device)) == "cuda":
+        return "bfloat16", "auto: CUDA computes bf16 natively"
+    if native_bf16():
+        have = [f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags()]
+        return "bfloat16", f"auto: this CPU computes bf16 natively ({', '.join(have)})"
+    return "float32", "auto: this CPU has no native bf16 (amx_bf16 / avx512_bf16), so bf16 would be emulated"

@@ -31,6 +31,11 @@ class RecipeError(ValueError):
 class ModelSpec(Strict):
     path: str = Field(description="local HF folder, a .gguf file, a hub id, or a demo name (smollm2-135m)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "float32", description="dtype of the calibration forward (weights and activations of the layer being "
+                               "quantized): auto = bfloat16 where the hardware has native bf16 (CUDA, AMX / "
+                               "AVX512-BF16 CPUs), else float32. Hessians and solves are fp32 regardless. float32 "
+                               "stays the default until bf16 is shown to cost no perplexity (see README)")
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -123,11 +128,34 @@ class WorkloadSpec(Strict):
         return v
 
 
+PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def check_engine_args(v: dict[str, Any]) -> dict[str, Any]:
+    """vLLM flags pass through as they are; the parallel sizes must be whole numbers >= 1."""
+    for k in PARALLEL_ARGS:
+        if k in v and (isinstance(v[k], bool) or not isinstance(v[k], int) or v[k] < 1):
+            raise ValueError(f"{k}: {v[k]!r} must be a whole number >= 1 (the GPUs the engine spreads over)")
+    return v
+
+
+def parallelism(engine_args: dict[str, Any]) -> dict[str, int]:
+    """{tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus}: what the engine is asked to
+    spread over (1 each unless set), and the GPUs that takes."""
+    sizes = {k: int(engine_args.get(k, 1)) for k in PARALLEL_ARGS}
+    return {**sizes, "gpus": sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"] * sizes["data_parallel_size"]}
+
+
 class VariantSpec(Strict):
     """A serving variant: the candidate's speed workload rerun with these engine settings changed."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
     engine_args: dict[str, Any] = Field(min_length=1, description="vLLM server flags, e.g. enable_prefix_caching: true")
+
+    @field_validator("engine_args")
+    @classmethod
+    def _parallel_sizes(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_engine_args(v)
 
 
 class EvalSpec(Strict):
@@ -143,7 +171,8 @@ class EvalSpec(Strict):
     task_limit: int | None = Field(None, ge=1, description="items per task; None = all")
     task_concurrency: int = Field(8, ge=1, description="parallel lm-eval requests")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM server flags")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM server flags, e.g. "
+                                        "tensor_parallel_size: 2 (also pipeline_parallel_size, data_parallel_size)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="engine compute dtype for both models; auto = the checkpoint's, but float32 on a CPU "
                             "without native bf16 (no avx512_bf16/AMX), where bf16 matmuls are several times slower")
@@ -152,6 +181,11 @@ class EvalSpec(Strict):
     ready_timeout_s: float = Field(600.0, gt=0, description="engine start limit")
     variants: list[VariantSpec] = Field(default_factory=list)
     price_per_hour: float | None = Field(None, ge=0, description="USD per hour of the serving machine")
+
+    @field_validator("engine_args")
+    @classmethod
+    def _parallel_sizes(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_engine_args(v)
 
 
 class GateSpec(Strict):

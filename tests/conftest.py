@@ -115,7 +115,10 @@ def write_recipe(path: Path, data: dict) -> Path:
 
 
 def tiny_recipe(model_dir: Path, calib_dir: Path | None, stages: list[dict], name: str = "tiny") -> dict:
-    r = {"name": name, "model": {"path": str(model_dir), "dtype": "bfloat16"}, "stages": stages}
+    # float32 compute pinned: the same numbers on every CPU kind (auto would pick bf16 on AMX only);
+    # the bf16 path has its own tests (test_convert.py::test_bf16_compute...)
+    r = {"name": name, "model": {"path": str(model_dir), "dtype": "bfloat16", "compute_dtype": "float32"},
+         "stages": stages}
     if calib_dir is not None:
         # 8 samples in chunks of 3, 3 and 2: every calibrated test runs the chunked forward, remainder included
         r["calibration"] = {"sources": [{"type": "text", "path": str(calib_dir / "*.txt")}],

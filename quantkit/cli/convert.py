@@ -29,6 +29,7 @@ def convert(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")] = None,
     restart: Annotated[bool, typer.Option(help="Discard an unfinished conversion of a different recipe/model/data.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder (atomically, at the end).")] = False,
+    device: Annotated[str, typer.Option("--device", help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = "auto",
     quiet: Quiet = False,
 ) -> None:
     """Quantize the model a recipe names and export a compressed-tensors checkpoint with a manifest."""
@@ -36,7 +37,7 @@ def convert(
     from quantkit.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])
-    out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet)
+    out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet, device=device)
     typer.echo(str(out))
 
 

@@ -144,6 +144,7 @@ class VLLMServer:
         ok, why = artifact_can_run(self.model_dir, _device())
         if not ok:  # known before a start that would take minutes and then fail
             raise EngineError(f"{self.model_dir} cannot be served by vLLM on this machine: {why}")
+        check_gpus(self.engine_args)
         stop_stale_engines(self.run_dir)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -262,6 +263,26 @@ def stop_stale_engines(run_dir: Path, grace_s: float = 10.0) -> list[int]:
         if not owner_alive:
             rec.unlink(missing_ok=True)
     return stopped
+
+
+def check_gpus(engine_args: dict[str, Any], visible: int | None = None) -> dict[str, int]:
+    """Refuse parallel sizes that need more GPUs than this machine has (before a start that would fail
+    after minutes); returns the parallelism the report records."""
+    from quantkit.recipe import parallelism
+
+    par = parallelism(engine_args)
+    if visible is None:
+        from quantkit import hardware
+
+        visible = 0
+        if hardware.cuda_device():
+            import torch
+
+            visible = torch.cuda.device_count()
+    if visible and par["gpus"] > visible:
+        raise EngineError(f"tensor x pipeline x data parallel = {par['gpus']} GPUs, but this machine has {visible}; "
+                          "lower eval.engine_args' parallel sizes")
+    return par
 
 
 def _device() -> str:

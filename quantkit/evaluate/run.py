@@ -36,7 +36,7 @@ from quantkit.hardware import hardware
 from quantkit.io import atomic_write_json
 from quantkit.locks import exclusive, lock_beside
 from quantkit.model.sources import load_tokenizer
-from quantkit.recipe import EvalSpec
+from quantkit.recipe import EvalSpec, parallelism
 
 
 class _Side:
@@ -179,7 +179,8 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
     with engine as ep:
         timings["engine_start_s"] = time.perf_counter() - t0
         d["engine"] = {"name": ep.engine, "version": ep.version, "model": ep.model, "info": ep.info, "pid": ep.pid,
-                       "log": str(ep.log_path) if ep.log_path else None}
+                       "log": str(ep.log_path) if ep.log_path else None,
+                       "parallelism": parallelism({**spec.engine_args, **(extra_args or {})}) if not side.url else None}
         progress(f"[{side.role}] engine ready in {timings['engine_start_s']:.0f} s ({ep.engine} {ep.version or ''})")
         if not speed_only:
             t = time.perf_counter()

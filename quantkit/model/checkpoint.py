@@ -92,3 +92,11 @@ def materialize(module: nn.Module, prefix: str, ckpt: LazyCheckpoint, dtype: tor
 def release(module: nn.Module) -> None:
     """Drop a module's parameter storage (back to meta) so peak memory stays one layer wide."""
     module.to("meta")
+
+
+def to_layer_device(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """A calibration chunk on the device `layer` computes on: a no-op unless the activations live in host
+    memory while the layer is on a GPU (quantkit.quantize.layers.activation_placement)."""
+    device = next(layer.parameters()).device
+    return x if x.device == device else x.to(device, non_blocking=True)
+

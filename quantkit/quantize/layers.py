@@ -27,9 +27,10 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.gptq import HessianAccumulator
 from quantkit.algorithms.rtn import activation_pre_hook, output_sqnr_db, sqnr_db
+from quantkit.errors import human_bytes
 from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.arch import ArchSpec
-from quantkit.model.checkpoint import LazyCheckpoint, materialize, release
+from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
 from quantkit.quantize.contract import ModuleResult, Observations
 from quantkit.quantize.methods import QUANTIZERS
@@ -51,6 +52,9 @@ class Job:
 
     recipe: Recipe
     scale_dtype: torch.dtype  # the dtype scales (and rewritten float tensors) are stored in
+    # the calibration forward's dtype (quantkit.hardware.compute_dtype): the layer's weights and the
+    # activations are held in it; Hessians, GPTQ and AWQ's search convert to fp32 and solve there
+    compute: torch.dtype = torch.float32
     # a public hook: called with every quantized module's dequantized weight and every float tensor a
     # transform rewrote, under its parameter name (tools and tests that compare the export with the
     # in-memory quantized model use it; it costs nothing when None)
@@ -134,7 +138,7 @@ class _Chunk(greenlet.greenlet):
         self.output: torch.Tensor | None = None
 
     def run(self) -> None:
-        out = self.layer(self.hidden, **self.kwargs)
+        out = self.layer(to_layer_device(self.hidden, self.layer), **self.kwargs)
         self.output = out[0] if isinstance(out, tuple) else out
 
     def step(self) -> None:
@@ -273,7 +277,7 @@ def capture_layer_inputs(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint,
 def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plan: Plan, job: Job, work: WorkDir,
                    start: int, input_ids: torch.Tensor | None, device: torch.device, quiet: bool = False) -> None:
     """Every layer from `start` on, each saved in `work` as it finishes (the resume point)."""
-    compute = torch.float32
+    compute = job.compute
     keep_large_allocations_off_the_heap()
     layers = model.get_submodule(arch.layers)
     hidden, layer_kwargs = None, None
@@ -281,7 +285,9 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plan:
         first, by_size = capture_layer_inputs(model, arch, ckpt, input_ids, compute, job.recipe.calibration.batch_size)
         hidden = first if start == 0 else work.hidden(start)
         del first
-        hidden = hidden.to(device)
+        place, why = activation_placement(device, 2 * hidden.numel() * hidden.element_size(), _largest_layer_bytes(plan, ckpt, compute))
+        log.info("calibration activations (%s x 2) on %s: %s", human_bytes(hidden.numel() * hidden.element_size()), place, why)
+        hidden = hidden.to(device) if place == "device" else (hidden.pin_memory() if device.type == "cuda" else hidden)
         layer_kwargs = [{size: _to_device(kws[i], device, compute) for size, kws in by_size.items()}
                         for i in range(len(layers))]
     bar = tqdm(range(start, len(layers)), desc="layers", unit="layer", disable=quiet, initial=start,
@@ -301,6 +307,38 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plan:
                  f", GPTQ loss {loss:.4g}" if loss else "")
         del results
         release_free_memory()
+
+
+def activation_placement(device: torch.device, need_bytes: int, layer_bytes: int,
+                         free_bytes: int | None = None) -> tuple[str, str]:
+    """Where the calibration activations (a layer's input and output for the whole batch) live: on the GPU
+    when they fit beside the layer being processed (its weights, Hessians and the solves' workspace, taken as
+    3x the layer's compute-dtype size) with 10% to spare, else in pinned host memory, moved chunk by chunk."""
+    if device.type != "cuda":
+        return "device", "the conversion runs on the CPU"
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    room = int(0.9 * free_bytes) - 3 * layer_bytes
+    if need_bytes <= room:
+        return "device", f"{human_bytes(need_bytes)} fit in {human_bytes(max(room, 0))} of GPU memory left beside the layer"
+    return "host", (f"{human_bytes(need_bytes)} do not fit in {human_bytes(max(room, 0))} of GPU memory left beside "
+                    "the layer: they stay in pinned host memory and move to the GPU one chunk at a time")
+
+
+def _largest_layer_bytes(plan: Plan, ckpt: LazyCheckpoint, compute: torch.dtype) -> int:
+    """The largest decoder layer's parameters in the compute dtype, from the checkpoint's headers."""
+    size = torch.empty((), dtype=compute).element_size()
+    best = 0
+    for lp in plan.layers:
+        n = 0
+        for k in ckpt.keys():
+            if k.startswith(lp.prefix):
+                numel = 1
+                for d in ckpt.layout(k)[1]:
+                    numel *= d
+                n += numel
+        best = max(best, n * size)
+    return best
 
 
 def _to_device(obj, device, dtype):

@@ -18,6 +18,7 @@ from torch import nn
 
 from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, fold_into_norm, scale_columns
 from quantkit.model import ModelError
+from quantkit.model.checkpoint import to_layer_device
 from quantkit.plan import Smoothing
 from quantkit.quantize.contract import ChannelStats
 from quantkit.quantize.methods import TRANSFORMS
@@ -83,7 +84,7 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
     try:
         with torch.no_grad():
             for hidden, layer_kwargs in pieces:
-                layer(hidden, **layer_kwargs)
+                layer(to_layer_device(hidden, layer), **layer_kwargs)
     finally:
         for h in handles:
             h.remove()
