@@ -76,10 +76,12 @@ class HessianAccumulator:
 
     @property
     def H(self) -> torch.Tensor:
-        if not self._triangle:
-            return self._acc
-        low = torch.tril(self._acc)
-        return low + torch.tril(self._acc, -1).t()
+        """The full symmetric matrix, made in place from the accumulated lower triangle (the upper one holds
+        zeros until then), so it never needs more than one extra [in, in] temporary."""
+        if self._triangle:
+            self._acc.add_(torch.tril(self._acc, -1).t())  # upper (zeros) += lower^T; lower and diagonal += 0
+            self._triangle = False  # symmetric from here on
+        return self._acc
 
 
 @dataclass
@@ -93,12 +95,16 @@ class GPTQResult:
 
 def _inverse_cholesky(H: torch.Tensor, frac: float, max_tries: int = 6) -> tuple[torch.Tensor, float]:
     damp = frac * torch.mean(torch.diag(H)).item()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for _ in range(max_tries + 1):
-        L, info = torch.linalg.cholesky_ex(H + damp * eye)
+        A = H.clone()
+        A.diagonal().add_(damp)  # H + damp * I, without an [in, in] identity
+        L, info = torch.linalg.cholesky_ex(A)
+        del A
         if info.item() == 0:
             Hinv = torch.cholesky_inverse(L)
+            del L
             U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
+            del Hinv
             if info2.item() == 0 and torch.isfinite(U).all():
                 return U, damp
         damp *= 10.0
@@ -120,12 +126,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: WeightSpec, block_size
 
 def _gptq(W, H, spec, block_size, dampening_frac, actorder, scale_dtype) -> GPTQResult:
     W = W.detach().float().clone()  # [out, in]
-    H = H.detach().float().clone()  # [in, in]
+    H = H.detach().float()  # [in, in]; the caller's: copied (permuted) before anything writes to it
     out_f, in_f = W.shape
     g = group_size_for(spec, in_f)
 
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
+    diag = torch.diag(H).clone()
+    dead = diag == 0
+    diag[dead] = 1.0
     W[:, dead] = 0.0
 
     # static groups (and none): scales from the original weight, fixed up front
@@ -133,9 +140,13 @@ def _gptq(W, H, spec, block_size, dampening_frac, actorder, scale_dtype) -> GPTQ
 
     perm = None
     if actorder in ("static", "group"):
-        perm = torch.argsort(torch.diag(H), descending=True)
+        perm = torch.argsort(diag, descending=True)
         W = W[:, perm]
-        H = H[perm][:, perm]
+        H = H.index_select(0, perm).index_select(1, perm)  # one [in, in] copy at a time
+        dead = dead[perm]
+    else:
+        H = H.clone()
+    H[dead, dead] = 1.0
 
     U, damp = _inverse_cholesky(H, dampening_frac)
     del H

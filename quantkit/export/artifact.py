@@ -33,16 +33,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def compress_results(plan: Plan, typed_files: list[Path], out_dir: Path, scale_dtype: torch.dtype) -> list[Path]:
     """Compress the typed layer files (quantkit/quantize/workdir.py) into compressed-tensors tensors, one
     layer file at a time, into `out_dir`: the only place results become the export's format."""
-    from quantkit.quantize.workdir import decode_layer
+    from quantkit.quantize.workdir import decode_weight, split_layer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     for layer, path in zip(plan.layers, typed_files):
-        weights, rewritten = decode_layer(load_file(str(path)), layer)
-        tensors = dict(rewritten)
-        for t in layer.targets:
-            q = weights.pop(t.name)
+        typed, tensors = split_layer(load_file(str(path)), layer)  # tensors starts as the rewritten floats
+        for t in layer.targets:  # one module's fp32 weight in memory at a time
+            q = decode_weight(typed, t.name, t.scheme.weights)
             tensors.update(compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, scale_dtype))
+            del q
         dest = out_dir / path.name
         tmp = out_dir / f".{path.name}.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
