@@ -198,3 +198,23 @@ def test_typed_result_round_trips_through_the_work_folder_form(name, group, acto
     off = QuantizedWeight(q.weight + 0.3 * q.scale.float()[:, q.columns()], q.scale, q.zero_point, q.g_idx)
     with pytest.raises(ConvertError, match="m.proj: the quantized weight is not on its own grid"):
         save_typed(tmp_path / "00001.safetensors", [ModuleResult("m.proj", {}, off, scheme.weights)])
+
+
+def test_hessian_full_product_path_matches_the_triangle_path(monkeypatch):
+    """Over SYRK_MAX_BYTES the CPU accumulator uses the full addmm product (OpenBLAS ssyrk crashes on > 2 GiB
+    buffers); both paths give the same symmetric H = 2/n sum x x^T."""
+    from quantkit.algorithms import gptq
+
+    X = _inputs(700, 96)
+    ref = 2 * X.double().t() @ X.double() / X.shape[0]
+    hs = []
+    for limit in (2 ** 31, 96 * 96 * 4):  # the triangle path, then the full-product path
+        monkeypatch.setattr(gptq, "SYRK_MAX_BYTES", limit)
+        acc = HessianAccumulator(96)
+        assert acc._triangle == (limit == 2 ** 31)
+        for chunk in X.split(256):
+            acc.add(chunk)
+        hs.append(acc.H)
+    assert torch.equal(hs[0], hs[0].t())  # the triangle path mirrors exactly; addmm is symmetric to rounding
+    for H in hs:
+        assert torch.allclose(H, H.t(), rtol=1e-6, atol=1e-6) and torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)

@@ -38,6 +38,9 @@ from quantkit.schemes import WeightSpec
 from quantkit.stages import QuantizerStage
 
 
+SYRK_MAX_BYTES = 2 ** 31  # the largest Hessian buffer the CPU's triangle-only (ssyrk) update is used for
+
+
 class HessianAccumulator:
     """Running H = 2/n sum x x^T over calibration tokens, in fp32.
 
@@ -48,7 +51,9 @@ class HessianAccumulator:
 
     def __init__(self, in_features: int, device: torch.device | str = "cpu"):
         self._acc = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
-        self._triangle = self._acc.device.type == "cpu"
+        # scipy's OpenBLAS ssyrk segfaults on a buffer over 2 GiB (measured: in_features 28672, Llama-70B's
+        # down_proj; 18944 works): there, the full product with addmm (twice the flops, no crash)
+        self._triangle = self._acc.device.type == "cpu" and self._acc.numel() * 4 < SYRK_MAX_BYTES
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
