@@ -139,20 +139,11 @@ def disk_needed(plan, source, recipe: Recipe, calib_shape, config) -> int:
     moments, fp32) and its typed layer files."""
     quantized = packed = 0
     for t in plan.targets.values():
-        n = 1
-        for d in source.layout(t.name + ".weight")[1]:
-            n *= d
+        n = source.numel(t.name + ".weight")
         quantized += n
         packed += n * t.scheme.weights.num_bits // 8
     replaced = {t + ".weight" for t in plan.targets}
-    kept = 0
-    for k in source.keys():
-        if k not in replaced:
-            code, shape = source.layout(k)
-            n = element_size(code)
-            for d in shape:
-                n *= d
-            kept += n
+    kept = sum(source.numel(k) * element_size(source.layout(k)[0]) for k in source.keys() if k not in replaced)
     hidden = 2 * 4 * calib_shape[0] * calib_shape[1] * config.hidden_size if calib_shape is not None else 0
     qat = quantized * (12 + 1) if recipe.stages[-1].method == "qat" else 0
     return int(1.1 * (quantized + hidden + 2 * packed + kept + qat)) + (16 << 20)  # 10% and 16 MB for the rest

@@ -217,44 +217,31 @@ KILLER = textwrap.dedent("""
     import os, signal, sys
     point = sys.argv.pop(1)
 
-    def die():
-        os.kill(os.getpid(), signal.SIGKILL)
+    def die_after(module, name, when=lambda *a: True):
+        \"\"\"Replace module.name by a wrapper that runs it, then kills this process when `when(args)`.\"\"\"
+        real = getattr(module, name)
+        def wrapped(*a, **k):
+            out = real(*a, **k)
+            if when(*a):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        setattr(module, name, wrapped)
 
     if point == "after-layer-0":
         from quantkit.quantize import workdir
-        real = workdir.WorkDir.save_layer
-        def save_layer(self, index, *a):
-            real(self, index, *a)
-            if index == 0:
-                die()
-        workdir.WorkDir.save_layer = save_layer
-    elif point == "mid-layer-file":  # the temporary file is written, the rename has not happened
+        die_after(workdir.WorkDir, "save_layer", lambda self, index, *a: index == 0)
+    elif point == "mid-layer-file":  # layer 1's temporary file is written, its rename has not happened
         from quantkit.quantize import workdir
-        real = workdir.save_file
-        def save_file(tensors, path, *a, **k):
-            real(tensors, path, *a, **k)
-            if str(path).endswith("/.00001.tmp"):  # layer 1's results, before their rename
-                die()
-        workdir.save_file = save_file
+        die_after(workdir, "save_file", lambda tensors, path, *a: str(path).endswith("/.00001.tmp"))
     elif point == "mid-compress":
         from quantkit.export import artifact
-        real = artifact.save_file
-        def save_file(tensors, path, *a, **k):
-            real(tensors, path, *a, **k)
-            die()
-        artifact.save_file = save_file
+        die_after(artifact, "save_file")
     elif point == "mid-shards":
         from quantkit.export import shards
-        real = shards.write_file
-        def write_file(path, refs, *a, **k):
-            real(path, refs, *a, **k)
-            die()
-        shards.write_file = write_file
+        die_after(shards, "write_file")
     elif point == "at-rename":
         from quantkit import convert
-        def replace_dir(src, dst):
-            die()
-        convert.replace_dir = replace_dir
+        convert.replace_dir = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)  # instead of the rename
     from quantkit.cli import app
     app()
 """)

@@ -32,11 +32,8 @@ def tensor_bytes(model_dir: Path, compute_dtype: str | None = None) -> int:
     ckpt = LazyCheckpoint(Path(model_dir))
     total = 0
     for key in ckpt.keys():
-        code, shape = ckpt.layout(key)
-        numel = 1
-        for d in shape:
-            numel *= d
-        total += numel * (float_size if (float_size and code in WIDE_FLOAT_CODES) else element_size(code))
+        code = ckpt.layout(key)[0]
+        total += ckpt.numel(key) * (float_size if (float_size and code in WIDE_FLOAT_CODES) else element_size(code))
     return total
 
 

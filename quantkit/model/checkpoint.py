@@ -4,6 +4,8 @@ materialized at a time and dropped again, so the pipeline never holds the whole 
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import torch
@@ -41,6 +43,10 @@ class LazyCheckpoint:
     def layout(self, key: str) -> tuple[str, tuple[int, ...]]:
         self._check(key)
         return self._layout[key]
+
+    def numel(self, key: str) -> int:
+        """Elements of a tensor, from its header."""
+        return math.prod(self.layout(key)[1])
 
     def _check(self, key: str) -> None:
         if key not in self._where:

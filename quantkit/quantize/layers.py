@@ -328,17 +328,8 @@ def activation_placement(device: torch.device, need_bytes: int, layer_bytes: int
 def _largest_layer_bytes(plan: Plan, ckpt: LazyCheckpoint, compute: torch.dtype) -> int:
     """The largest decoder layer's parameters in the compute dtype, from the checkpoint's headers."""
     size = torch.empty((), dtype=compute).element_size()
-    best = 0
-    for lp in plan.layers:
-        n = 0
-        for k in ckpt.keys():
-            if k.startswith(lp.prefix):
-                numel = 1
-                for d in ckpt.layout(k)[1]:
-                    numel *= d
-                n += numel
-        best = max(best, n * size)
-    return best
+    return size * max((sum(ckpt.numel(k) for k in ckpt.keys() if k.startswith(lp.prefix)) for lp in plan.layers),
+                      default=0)
 
 
 def _to_device(obj, device, dtype):
