@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from quantkit.distributed import ChunkLayout, Ranks, join, launched_world, leave, share
 from quantkit.errors import ENVIRONMENT_ERRNOS, EnvironmentFault, environment_fault, human_bytes
 from quantkit.export.shards import element_size
 from quantkit.hardware import compute_dtype, conversion_device
@@ -43,6 +44,9 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     `device`: auto (the first GPU, else the CPU), cpu, cuda or cuda:N: where each layer, its Hessians and
     (when they fit) the calibration activations live; everything else stays on the CPU or on disk.
 
+    Under torchrun (or `quantkit convert --nproc N`) every rank calls this: the calibration chunks are split
+    across ranks, rank 0 alone locks, writes the work folder and exports (quantkit/distributed.py).
+
     `on_weight`, when given, is called with every quantized module's dequantized weight and every float
     tensor a transform or QAT rewrote, by parameter name (a public hook for tools that compare the export
     with the in-memory quantized model).
@@ -51,14 +55,21 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     recipe = recipe.with_absolute_paths()  # the API boundary: a no-op for recipes read by load_recipe
     output = Path(output).expanduser().resolve() if output else default_output(recipe)
     output.parent.mkdir(parents=True, exist_ok=True)
+    rank, world, local_rank = launched_world()
+    placed = conversion_device(device, local_rank)  # each rank its own GPU under torchrun
+    ranks = join(placed[0])
+    if not ranks.root:  # rank 0 holds the lock for the whole group
+        if output.exists() and not overwrite:
+            raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
+        return _convert_locked(recipe, output, restart, True, on_weight, t_start, placed, ranks)
     with exclusive(lock_beside(output), f"a conversion into {output}"):
         if output.exists() and not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
-        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start, device)
+        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start, placed, ranks)
 
 
 def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on_weight, t_start: float,
-                    device_spec: str) -> Path:
+                    placed: tuple, ranks: Ranks) -> Path:
     from quantkit import qat as qat_stage
     from quantkit.data import build_calibration_set
     from quantkit.export.artifact import compress_results, write_artifact
@@ -71,18 +82,23 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     from quantkit.quantize.workdir import WorkDir
 
     # everything that can refuse the inputs runs before the work folder exists
-    device, device_why = conversion_device(device_spec)
+    device, device_why = placed
     compute, compute_why = compute_dtype(recipe.model.compute_dtype, device)
     model_dir = resolve_model_dir(recipe.model, quiet=quiet)
     verify_model_folder(model_dir)
     tok = load_tokenizer(model_dir, recipe.model.trust_remote_code)
     calib = build_calibration_set(recipe.calibration, tok) if recipe.calibration else None
+    if calib is not None and ranks.world > 1:
+        ChunkLayout.of(calib.input_ids.shape[0], recipe.calibration.batch_size, calib.input_ids.shape[1],
+                       ranks).check(f"recipe {recipe.name!r}")
     model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
     arch = arch_for(model.config)
     plan = make_plan(model, arch, recipe)
     source = LazyCheckpoint(model_dir)
     partial = partial_dir(output)
     needed = disk_needed(plan, source, recipe, calib.input_ids.shape if calib else None, model.config)
+    if not ranks.root:
+        return _convert_rank(recipe, model, arch, plan, source, calib, partial, compute, device, ranks, on_weight)
     check_free_space(partial, needed)
     partial.mkdir(parents=True, exist_ok=True)
     try:
@@ -97,8 +113,13 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
             start = work.start(fingerprint, restart)
             if start:
                 log.info("resuming after layer %d", start - 1)
-            job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight)
+            if ranks.world > 1:
+                log.info("%d processes: calibration chunks and solves split across ranks", ranks.world)
+                share([torch.tensor([start])], 0, ranks)  # the others resume where rank 0 does
+            job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
+                      ranks=ranks)
             process_layers(model, arch, source, plan, job, work, start, calib.input_ids if calib else None, device, quiet)
+            leave()  # the other ranks are done: QAT and the export are rank 0's
 
             n_layers = len(plan.layers)
             typed, qat = work.layer_files(n_layers), None
@@ -117,6 +138,7 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
                      "calibration": calib.summary() if calib else None, "qat": qat.summary if qat else None,
                      "conversion": {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
                                     "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
+                                    "processes": ranks.world,
                                     "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}}
             manifest = write_artifact(export_dir, model_dir, source, LazyCheckpoint(compressed, produced), plan,
                                       work.layer_stats(n_layers), recipe.export.max_shard_size_mb * 1024 * 1024,
@@ -130,6 +152,21 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
         raise
     shutil.rmtree(partial, ignore_errors=True)
     return output
+
+
+def _convert_rank(recipe: Recipe, model, arch, plan, source, calib, partial: Path, compute: str, device, ranks: Ranks,
+                  on_weight) -> Path:
+    """A rank other than 0: its share of the layer pipeline (rank 0 locks, writes and exports)."""
+    from quantkit.quantize.layers import Job, process_layers
+    from quantkit.quantize.workdir import WorkDir
+
+    start = int(share(None, 0, ranks)[0].item())
+    job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
+              ranks=ranks)
+    process_layers(model, arch, source, plan, job, WorkDir(partial / "work"), start,
+                   calib.input_ids if calib else None, device, quiet=True)
+    leave()
+    return partial.parent / partial.name[1:-len(".partial")]
 
 
 def disk_needed(plan, source, recipe: Recipe, calib_shape, config) -> int:

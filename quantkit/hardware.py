@@ -78,16 +78,23 @@ def hardware() -> dict:
             "memory_bytes": psutil.virtual_memory().total, "platform": platform.platform(), "gpu": cuda_device()}
 
 
-def conversion_device(spec: str = "auto"):
-    """(torch.device, why) for `--device auto|cpu|cuda|cuda:N`: auto takes the first GPU when there is one."""
+def conversion_device(spec: str = "auto", local_rank: int = 0):
+    """(torch.device, why) for `--device auto|cpu|cuda|cuda:N`: auto takes the first GPU when there is one.
+    Under torchrun (`local_rank` > 0) auto and cuda take this rank's GPU, cuda:LOCAL_RANK."""
     import torch
 
     from quantkit.errors import QuantkitError
 
     if spec == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", 0), f"auto: the first GPU ({torch.cuda.get_device_name(0)})"
-        return torch.device("cpu"), "auto: no GPU visible to torch"
+            if local_rank:
+                spec = f"cuda:{local_rank}"
+            else:
+                return torch.device("cuda", 0), f"auto: the first GPU ({torch.cuda.get_device_name(0)})"
+        else:
+            return torch.device("cpu"), "auto: no GPU visible to torch"
+    if spec == "cuda" and local_rank:
+        spec = f"cuda:{local_rank}"
     if spec == "cpu":
         return torch.device("cpu"), "asked for"
     if spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):

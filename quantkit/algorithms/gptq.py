@@ -13,8 +13,9 @@ the upper Cholesky factor U of H^-1, quantizing column i and updating the rest b
   H_ii but takes every group's scale from the original weight first, so the export needs no g_idx
   (vLLM's fast path); "group" also permutes but fixes each group's scale when its first permuted
   column is reached, which needs `g_idx` in the export.
-- Several weights that read the same input (q/k/v, gate/up) share H and are stacked along rows: GPTQ
-  treats rows independently, so this is exact and saves the per-column Python loop.
+- Several weights that read the same input (q/k/v, gate/up) share H: it is factored once and each
+  weight gets its own sweep (GPTQ treats rows independently), so a weight's result does not depend on
+  which others are solved with it, and processes can split a group between them.
 - All math in fp32 (the Hessian, its inverse and the updates); scales are rounded to their storage
   dtype before any code is chosen, as in RTN.
 
@@ -42,50 +43,65 @@ SYRK_MAX_BYTES = 2 ** 31  # the largest Hessian buffer the CPU's triangle-only (
 
 
 class HessianAccumulator:
-    """Running H = 2/n sum x x^T over calibration tokens, in fp32.
+    """H = 2/n sum x x^T over calibration tokens, in fp32, folded chunk by chunk: each chunk's product
+    X^T X is computed on its own (`partial`) and added to the sum (`fold`), so the sum is the same,
+    bit for bit, whether the chunks' products are made here or by other processes
+    (quantkit/distributed.py) as long as they are folded in the same order.
 
-    H is symmetric, so on the CPU only one triangle is accumulated, with BLAS `ssyrk` (scipy): half the
-    flops of `X^T X`, which for a 1536-wide input is as much work as the layer's forward. Elsewhere (CUDA)
-    a plain `addmm` is used. Read `H` for the full symmetric matrix.
+    H is symmetric, so on the CPU only one triangle is computed, with BLAS `ssyrk` (scipy): half the flops
+    of `X^T X`, which for a 1536-wide input is as much work as the layer's forward. Elsewhere (CUDA) a
+    plain `mm` is used. Read `H` for the full symmetric matrix.
     """
 
     def __init__(self, in_features: int, device: torch.device | str = "cpu"):
         self._acc = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self._part: torch.Tensor | None = None  # one chunk's product, reused
         # scipy's OpenBLAS ssyrk segfaults on a buffer over 2 GiB (measured: in_features 28672, Llama-70B's
-        # down_proj; 18944 works): there, the full product with addmm (twice the flops, no crash)
+        # down_proj; 18944 works): there, the full product (twice the flops, no crash)
         self._triangle = self._acc.device.type == "cpu" and self._acc.numel() * 4 < SYRK_MAX_BYTES
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
+        self.fold(*self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(X^T X of one chunk, its token count); the product's buffer is reused by the next call."""
         x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
-        n_new = x.shape[0]
-        if n_new == 0:
-            return
-        beta = self.n / (self.n + n_new)
-        self.n += n_new
-        alpha = 2.0 / self.n
+        if self._part is None:
+            self._part = torch.zeros_like(self._acc)  # zeros: the triangle path never writes the upper half
+        if x.shape[0] == 0:
+            self._part.zero_()
+            return self._part, 0
         if not self._triangle:
-            self._acc.mul_(beta).addmm_(x.t(), x, alpha=alpha)  # [in, in]
-            return
-        # row-major [tokens, in] is column-major [in, tokens] = A; syrk: C = alpha A A^T + beta C, upper
-        # triangle of C. C is the transposed (column-major) view of our row-major buffer, so the buffer's
-        # lower triangle is filled.
+            torch.mm(x.t(), x, out=self._part)  # [in, in]
+            return self._part, x.shape[0]
+        # row-major [tokens, in] is column-major [in, tokens] = A; syrk: C = A A^T, upper triangle of C.
+        # C is the transposed (column-major) view of our row-major buffer, so the buffer's lower triangle
+        # is filled and its upper one stays zero.
         import numpy as np
         from scipy.linalg.blas import ssyrk
 
         a = x.contiguous().numpy().T  # [in, tokens], column-major
-        c = self._acc.numpy().T  # [in, in], column-major view of the buffer
-        out = ssyrk(alpha, a, beta=beta, c=c, trans=0, lower=0, overwrite_c=1)
+        c = self._part.numpy().T  # [in, in], column-major view of the buffer
+        out = ssyrk(1.0, a, beta=0.0, c=c, trans=0, lower=0, overwrite_c=1)
         if not np.shares_memory(out, c):  # f2py made a copy after all
             c[...] = out
+        return self._part, x.shape[0]
+
+    def fold(self, part: torch.Tensor, tokens: int) -> None:
+        """Add one chunk's product (from `partial`, here or on another rank) to the sum."""
+        self._acc.add_(part)
+        self.n += tokens
 
     @property
     def H(self) -> torch.Tensor:
-        """The full symmetric matrix, made in place from the accumulated lower triangle (the upper one holds
-        zeros until then), so it never needs more than one extra [in, in] temporary."""
-        if self._triangle:
-            self._acc.add_(torch.tril(self._acc, -1).t())  # upper (zeros) += lower^T; lower and diagonal += 0
-            self._triangle = False  # symmetric from here on
+        """The full symmetric 2/n X^T X, made in place from the accumulated lower triangle (the upper one
+        holds zeros until then), so it never needs more than one extra [in, in] temporary."""
+        if self._part is not None:  # first read: finish the sum once (no chunk may be added after this)
+            self._part = None
+            if self._triangle:
+                self._acc.add_(torch.tril(self._acc, -1).t())  # upper (zeros) += lower^T; the rest += 0
+            self._acc.mul_(2.0 / max(self.n, 1))
         return self._acc
 
 
@@ -117,44 +133,72 @@ def _inverse_cholesky(H: torch.Tensor, frac: float, max_tries: int = 6) -> tuple
                              "inputs of this layer are degenerate (too few tokens?)")
 
 
+@dataclass
+class Factor:
+    """What GPTQ derives from a Hessian alone, shared by every weight that reads the same input."""
+
+    U: torch.Tensor  # [in, in] upper Cholesky factor of (H + damp)^-1, in the (permuted) column order
+    perm: torch.Tensor | None  # [in] the activation order (None: columns in order)
+    dead: torch.Tensor  # [in] bool, columns whose input is always zero (original order)
+    damping: float
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: WeightSpec, block_size: int = 128,
                   dampening_frac: float = 0.01, actorder: str = "static",
                   scale_dtype: torch.dtype = torch.bfloat16) -> GPTQResult:
-    if W.device.type != "cpu":
-        return _gptq(W, H, spec, block_size, dampening_frac, actorder, scale_dtype)
+    """GPTQ of one weight [out, in] given its input's Hessian [in, in]."""
+    with _threads(W.device):
+        return gptq_solve(W, gptq_factor(H, dampening_frac, actorder), spec, block_size, actorder, scale_dtype)
+
+
+@contextmanager
+def _threads(device: torch.device):
     # On the CPU everything here is either a small factorisation or thousands of tiny vector ops, where
     # OpenMP synchronisation costs more than a second thread gives (measured: 20x slower on a loaded
-    # 2-core machine with 2 threads).
+    # 2-core machine with 2 threads). One thread also makes the result independent of the thread count.
+    if device.type != "cpu":
+        yield
+        return
     with single_thread():
-        return _gptq(W, H, spec, block_size, dampening_frac, actorder, scale_dtype)
+        yield
 
 
-def _gptq(W, H, spec, block_size, dampening_frac, actorder, scale_dtype) -> GPTQResult:
-    W = W.detach().float().clone()  # [out, in]
+def gptq_factor(H: torch.Tensor, dampening_frac: float = 0.01, actorder: str = "static") -> Factor:
+    """Dead columns, activation order and the inverse-Hessian Cholesky factor, from H alone (H is not
+    modified)."""
     H = H.detach().float()  # [in, in]; the caller's: copied (permuted) before anything writes to it
-    out_f, in_f = W.shape
-    g = group_size_for(spec, in_f)
-
     diag = torch.diag(H).clone()
     dead = diag == 0
     diag[dead] = 1.0
-    W[:, dead] = 0.0
-
-    # static groups (and none): scales from the original weight, fixed up front
-    qp_static = compute_qparams(W, spec, scale_dtype) if actorder != "group" else None
-
     perm = None
     if actorder in ("static", "group"):
         perm = torch.argsort(diag, descending=True)
-        W = W[:, perm]
         H = H.index_select(0, perm).index_select(1, perm)  # one [in, in] copy at a time
-        dead = dead[perm]
+        dead_p = dead[perm]
     else:
         H = H.clone()
-    H[dead, dead] = 1.0
-
+        dead_p = dead
+    H[dead_p, dead_p] = 1.0
     U, damp = _inverse_cholesky(H, dampening_frac)
     del H
+    return Factor(U, perm, dead, damp)
+
+
+def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 128, actorder: str = "static",
+               scale_dtype: torch.dtype = torch.bfloat16) -> GPTQResult:
+    """The column sweep of one weight [out, in] with a shared factor. Rows are independent, so the result
+    for a weight does not depend on which other weights share the factor."""
+    W = W.detach().float().clone()  # [out, in]
+    out_f, in_f = W.shape
+    g = group_size_for(spec, in_f)
+    W[:, f.dead] = 0.0
+
+    # static groups (and none): scales from the original weight, fixed up front
+    qp_static = compute_qparams(W, spec, scale_dtype) if actorder != "group" else None
+    perm = f.perm
+    if perm is not None:
+        W = W[:, perm]
+    U = f.U
 
     Q = torch.zeros_like(W)
     losses = torch.zeros(out_f, dtype=torch.float32, device=W.device)
@@ -181,7 +225,7 @@ def _gptq(W, H, spec, block_size, dampening_frac, actorder, scale_dtype) -> GPTQ
     else:
         qparams = QParams(group_scale, group_zp, g)
         g_idx = (inv // g).to(torch.int32)  # original column -> group
-    return GPTQResult(Q, qparams, g_idx, losses, damp)
+    return GPTQResult(Q, qparams, g_idx, losses, f.damping)
 
 
 def _column_loop(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, block_size,
@@ -273,16 +317,13 @@ class GPTQStage(QuantizerStage):
 
 def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: GPTQStage,
              scale_dtype: torch.dtype) -> list[QuantizedWeight]:
-    """The group's weights share an input, so they are stacked along rows into one sweep (exact: GPTQ
-    treats rows independently given H), then split back per module."""
-    W = torch.cat(weights, dim=0)  # [sum(out), in]
-    res = gptq_quantize(W, obs.hessian, spec, block_size=stage.block_size, dampening_frac=stage.dampening_frac,
-                        actorder=stage.actorder, scale_dtype=scale_dtype)
-    out, row = [], 0
-    for w in weights:
-        r = slice(row, row + w.shape[0])
-        row += w.shape[0]
-        zp = res.qparams.zero_point[r] if res.qparams.zero_point is not None else None
-        out.append(QuantizedWeight(res.weight[r], res.qparams.scale[r], zp, res.g_idx,
-                                   {"gptq_loss": float(res.loss[r].sum()), "damping": res.damping}))
+    """The group's weights share an input: one factorisation of its Hessian, then one sweep per weight
+    (each weight's result is the same whichever others share the call, which lets ranks split a group)."""
+    out = []
+    with _threads(weights[0].device if weights else torch.device("cpu")):
+        f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder)
+        for w in weights:
+            res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype)
+            out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
+                                       {"gptq_loss": float(res.loss.sum()), "damping": res.damping}))
     return out

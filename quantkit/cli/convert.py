@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import JsonOut, Quiet
+from quantkit.cli.common import JsonOut, Quiet, fail
 
 recipes_app = typer.Typer(no_args_is_help=True, help="Validate and list recipes.")
 models_app = typer.Typer(no_args_is_help=True, help="Demo models.")
@@ -30,15 +30,39 @@ def convert(
     restart: Annotated[bool, typer.Option(help="Discard an unfinished conversion of a different recipe/model/data.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder (atomically, at the end).")] = False,
     device: Annotated[str, typer.Option("--device", help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = "auto",
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes on this machine (torchrun underneath): calibration chunks and GPTQ solves are split across them; the result is the same.")] = 1,
     quiet: Quiet = False,
 ) -> None:
-    """Quantize the model a recipe names and export a compressed-tensors checkpoint with a manifest."""
+    """Quantize the model a recipe names and export a compressed-tensors checkpoint with a manifest.
+
+    Under `torchrun ... -m quantkit convert RECIPE` (several nodes, a shared work folder), or with --nproc N
+    on one machine, the ranks split the work; see docs/distributed.md.
+    """
     from quantkit import api
     from quantkit.recipe import load_recipe
 
-    r = load_recipe(recipe, set_ or [])
+    r = load_recipe(recipe, set_ or [])  # refuse a bad recipe once, before any process starts
+    if nproc > 1:
+        from quantkit.distributed import ChunkLayout, RankFailed, Ranks, launch, launched_world
+
+        if launched_world()[1] > 1:
+            fail("--nproc inside torchrun: torchrun already started the processes; drop --nproc")
+        if r.calibration is not None:  # refuse before starting processes that would refuse it
+            c = r.calibration
+            ChunkLayout.of(c.num_samples, c.batch_size, c.seq_len, Ranks(world=nproc)).check(recipe)
+        args = ["convert", recipe, *(a for s in set_ or [] for a in ("--set", s)), "--device", device]
+        args += ["--output", str(output)] if output else []
+        args += (["--restart"] if restart else []) + (["--overwrite"] if overwrite else []) + (["--quiet"] if quiet else [])
+        try:
+            launch(nproc, args)  # rank 0 prints the output folder
+        except RankFailed as exc:
+            fail(str(exc), exc.exit_code)
+        return
     out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet, device=device)
-    typer.echo(str(out))
+    from quantkit.distributed import launched_world
+
+    if launched_world()[0] == 0:  # under torchrun, rank 0 alone reports
+        typer.echo(str(out))
 
 
 def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact folder.")],

@@ -27,12 +27,13 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.gptq import HessianAccumulator
 from quantkit.algorithms.rtn import activation_pre_hook, output_sqnr_db, sqnr_db
+from quantkit.distributed import SINGLE, ChunkFold, ChunkLayout, Ranks, deal, decode_json, encode_json, share
 from quantkit.errors import human_bytes
 from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
-from quantkit.quantize.contract import ModuleResult, Observations
+from quantkit.quantize.contract import ModuleResult, Observations, QuantizedWeight
 from quantkit.quantize.methods import QUANTIZERS
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.quantize.workdir import WorkDir
@@ -59,30 +60,46 @@ class Job:
     # transform rewrote, under its parameter name (tools and tests that compare the export with the
     # in-memory quantized model use it; it costs nothing when None)
     on_weight: Callable[[str, torch.Tensor], None] | None = None
+    # this process's place when the calibration is split across processes (quantkit/distributed.py)
+    ranks: Ranks = SINGLE
 
 
 # ------------------------------------------------------------------------------------------ layer work
 class GroupInputs:
-    """What a sequential group's quantizers need from its calibration inputs, gathered chunk by chunk:
-    the Hessian when a GPTQ stage owns a member, else the first SQNR_TOKENS rows for the diagnostic."""
+    """What a sequential group's quantizers need from its calibration inputs, gathered chunk by chunk and
+    folded in global chunk order (the same on every rank): the Hessian when a GPTQ stage owns a member,
+    else the first SQNR_TOKENS rows for the diagnostic."""
 
-    def __init__(self, hessian: bool):
-        self.hessian = hessian
+    def __init__(self, hessian: bool, layout: ChunkLayout):
+        self.hessian, self.layout = hessian, layout
         self.acc: HessianAccumulator | None = None
         self._rows: list[torch.Tensor] = []
-        self._n = 0
+        # Hessian partials are [in, in] each: exchanged round by round; the rows are few: exchanged at the end
+        self._fold = ChunkFold(layout, self._fold_hessian if hessian else self._fold_rows, eager=hessian)
 
     def add(self, x: torch.Tensor) -> None:
+        """One of this rank's chunks (in order)."""
         x2 = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
         if self.hessian:
             if self.acc is None:
                 self.acc = HessianAccumulator(x2.shape[-1], device=x2.device)
-            self.acc.add(x2)
-        elif self._n < SQNR_TOKENS:
-            self._rows.append(x2[:SQNR_TOKENS - self._n].clone())
-            self._n += self._rows[-1].shape[0]
+            part, n = self.acc.partial(x2)
+            self._fold.add([part, torch.tensor([n])])
+        else:  # the rows of this chunk among the first SQNR_TOKENS of the whole batch
+            keep = max(0, min(x2.shape[0], SQNR_TOKENS - self.layout.token_offset(self._fold.index())))
+            self._fold.add([x2[:keep].clone()])
+
+    def _fold_hessian(self, payload) -> None:
+        if self.acc is None:  # a rank that has not seen a chunk of this group yet
+            self.acc = HessianAccumulator(payload[0].shape[-1], device=payload[0].device)
+        self.acc.fold(payload[0].to(self.acc._acc.device), int(payload[1].item()))
+
+    def _fold_rows(self, payload) -> None:
+        if payload[0].numel():
+            self._rows.append(payload[0])
 
     def observations(self) -> Observations:
+        self._fold.finish()
         return Observations(hessian=self.acc.H if self.acc is not None else None,
                             sample=torch.cat(self._rows) if self._rows else None)
 
@@ -102,14 +119,11 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
         mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
         if method.needs == "hessian" and obs.hessian is None:
             raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
-        t0 = time.perf_counter()
-        pieces = method.quantize([m.weight.detach().float() for m in mods], obs, targets[0].scheme.weights,
-                                 job.recipe.stages[si], job.scale_dtype)
-        elapsed = time.perf_counter() - t0
-        for t, m, q in zip(targets, mods, pieces):
+        pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, job.recipe.stages[si], job)
+        for t, m, q, sec in zip(targets, mods, pieces, seconds):
             w = m.weight.detach().float()
             stats = {"stage": si, "method": t.method, "scheme": t.scheme.name,
-                     "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(elapsed / len(mods), 4),
+                     "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(sec, 4),
                      **q.stats}
             if obs.hessian is not None:  # exact over every calibration token
                 stats["output_sqnr_db"] = round(output_sqnr_db(w, q.weight, obs.hessian), 3)
@@ -121,6 +135,31 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
                 job.on_weight(t.name, q.weight.detach().cpu().clone())
             out.append(ModuleResult(t.name, stats, q, t.scheme.weights))
     return out
+
+
+def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: Job):
+    """The quantizer on one stage's members of a group: ([QuantizedWeight], seconds each). Across processes
+    the members are dealt to ranks (largest first) and each result is broadcast from the rank that solved
+    it; a quantizer's result for one weight never depends on the others in its call (the contract)."""
+    weights = [m.weight.detach().float() for m in mods]
+    r = job.ranks
+    owner = deal([w.numel() for w in weights], r.world)
+    mine = [k for k in range(len(mods)) if owner[k] == r.rank]
+    t0 = time.perf_counter()
+    solved = method.quantize([weights[k] for k in mine], obs, spec, stage, job.scale_dtype) if mine else []
+    each = (time.perf_counter() - t0) / max(len(mine), 1)
+    if r.world == 1:
+        return solved, [each] * len(solved)
+    got = dict(zip(mine, solved))
+    pieces, seconds = [], []
+    for k in range(len(mods)):
+        q = got.get(k)
+        t = share([q.weight, q.scale, q.zero_point, q.g_idx, encode_json({"stats": q.stats, "seconds": each})]
+                  if q is not None else None, owner[k], r)
+        extra = decode_json(t[4])
+        pieces.append(q if q is not None else QuantizedWeight(t[0], t[1], t[2], t[3], extra["stats"]))
+        seconds.append(extra["seconds"])
+    return pieces, seconds
 
 
 class _Chunk(greenlet.greenlet):
@@ -158,7 +197,8 @@ def _pause_chunk() -> None:
 
 
 def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor | None,
-              layer_kwargs: dict[int, dict] | None) -> tuple[list[ModuleResult], torch.Tensor | None]:
+              layer_kwargs: dict[int, dict] | None,
+              layout: ChunkLayout | None = None) -> tuple[list[ModuleResult], torch.Tensor | None]:
     """Quantize one layer; return its results and the next layer's input.
 
     With calibration data, the batch goes through the layer in chunks of `calibration.batch_size`
@@ -167,6 +207,9 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
     group's statistics, the group is quantized and the chunks go on with the quantized weights. So one
     forward per layer still observes, quantizes (true-sequential) and propagates, while only one
     chunk's intermediate tensors are being computed at a time.
+
+    Across processes `hidden` holds this rank's chunks of the `layout`; what the chunks teach is folded in
+    global chunk order on every rank (quantkit/distributed.py).
     """
     results: list[ModuleResult] = []
     if hidden is None:  # weights only: no calibration forward
@@ -174,11 +217,15 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
             results += quantize_group(layer, plan.prefix, members, job, None)
         return results, None
 
-    pieces = [(h, layer_kwargs[h.shape[0]]) for h in hidden.split(job.recipe.calibration.batch_size)]  # views
+    bs = job.recipe.calibration.batch_size
+    layout = layout or ChunkLayout.of(hidden.shape[0], bs, hidden.shape[1])
+    pieces = [(h, layer_kwargs[h.shape[0]]) for h in hidden.split(bs)]  # views
     # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
     quantized = {t.name for t in plan.targets}
-    smoothed = apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized) if plan.smoothing else {}
-    inputs = [GroupInputs(any(QUANTIZERS[t.method].needs == "hessian" for t in members)) for members in plan.groups]
+    smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
+                if plan.smoothing else {})
+    inputs = [GroupInputs(any(QUANTIZERS[t.method].needs == "hessian" for t in members), layout)
+              for members in plan.groups]
     handles = []
     for g, (members, hooked) in enumerate(zip(plan.groups, plan.group_inputs)):
         mod = layer.get_submodule(hooked[len(plan.prefix):])
@@ -280,26 +327,31 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plan:
     compute = job.compute
     keep_large_allocations_off_the_heap()
     layers = model.get_submodule(arch.layers)
-    hidden, layer_kwargs = None, None
+    hidden, layer_kwargs, layout = None, None, None
     if input_ids is not None:
-        first, by_size = capture_layer_inputs(model, arch, ckpt, input_ids, compute, job.recipe.calibration.batch_size)
-        hidden = first if start == 0 else work.hidden(start)
+        bs = job.recipe.calibration.batch_size
+        layout = ChunkLayout.of(input_ids.shape[0], bs, input_ids.shape[1], job.ranks)
+        first, by_size = capture_layer_inputs(model, arch, ckpt, layout.local(input_ids), compute, bs)
+        hidden = first if start == 0 else layout.local(work.hidden(start))
         del first
         place, why = activation_placement(device, 2 * hidden.numel() * hidden.element_size(), _largest_layer_bytes(plan, ckpt, compute))
         log.info("calibration activations (%s x 2) on %s: %s", human_bytes(hidden.numel() * hidden.element_size()), place, why)
         hidden = hidden.to(device) if place == "device" else (hidden.pin_memory() if device.type == "cuda" else hidden)
         layer_kwargs = [{size: _to_device(kws[i], device, compute) for size, kws in by_size.items()}
                         for i in range(len(layers))]
-    bar = tqdm(range(start, len(layers)), desc="layers", unit="layer", disable=quiet, initial=start,
+    bar = tqdm(range(start, len(layers)), desc="layers", unit="layer", disable=quiet or not job.ranks.root, initial=start,
                total=len(layers))
     for i in bar:
         t0 = time.perf_counter()
         layer = layers[i]
         lp = plan.layers[i]
         materialize(layer, lp.prefix, ckpt, compute, device)
-        results, hidden = run_layer(layer, lp, job, hidden, layer_kwargs[i] if layer_kwargs else None)
+        results, hidden = run_layer(layer, lp, job, hidden, layer_kwargs[i] if layer_kwargs else None, layout)
         release(layer)
-        work.save_layer(i, results, hidden.cpu() if hidden is not None else None)
+        whole = layout.gather(hidden) if layout is not None else None  # rank 0: the whole batch
+        if job.ranks.root:
+            work.save_layer(i, results, whole.cpu() if whole is not None else None)
+        del whole
         worst = min((r.stats.get("output_sqnr_db", r.stats["weight_sqnr_db"]) for r in results), default=float("nan"))
         loss = sum(r.stats.get("gptq_loss", 0.0) for r in results)
         bar.set_postfix_str(f"min SQNR {worst:.1f} dB" + (f", GPTQ loss {loss:.3g}" if loss else ""))

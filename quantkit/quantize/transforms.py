@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from quantkit.distributed import ChunkFold, ChunkLayout
 from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, fold_into_norm, scale_columns
 from quantkit.model import ModelError
 from quantkit.model.checkpoint import to_layer_device
@@ -25,23 +26,36 @@ from quantkit.quantize.methods import TRANSFORMS
 
 
 class _Capture:
-    """Per-channel |x| sum and max over all tokens, and an evenly spaced sample of tokens."""
+    """Per-channel |x| sum and max over all tokens, and an evenly spaced sample of tokens, folded chunk by
+    chunk in global order (across processes too: quantkit/distributed.py)."""
 
-    def __init__(self, max_tokens: int, total_tokens: int):
+    def __init__(self, max_tokens: int, layout: ChunkLayout):
+        total = sum(layout.tokens(c) for c in range(layout.n))
         # the sample's positions in the whole batch, which arrives chunk by chunk
-        self.pick = torch.linspace(0, total_tokens - 1, min(max_tokens, total_tokens)).round().long()
+        self.pick = torch.linspace(0, total - 1, min(max_tokens, total)).round().long()
+        self.layout = layout
         self.abs_sum = self.abs_max = None
         self.rows: list[torch.Tensor] = []
         self.tokens = 0
+        self._fold = ChunkFold(layout, self._merge, eager=False)  # small: exchanged after the forward
 
     def add(self, x: torch.Tensor) -> None:
+        """One of this rank's chunks (in order)."""
         x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [tokens, features]
         a = x2.abs()
-        self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
-        self.abs_max = a.amax(0) if self.abs_max is None else torch.maximum(self.abs_max, a.amax(0))
-        here = self.pick[(self.pick >= self.tokens) & (self.pick < self.tokens + x2.shape[0])] - self.tokens
-        self.rows.append(x2[here].clone())
-        self.tokens += x2.shape[0]
+        at = self.layout.token_offset(self._fold.index())
+        here = self.pick[(self.pick >= at) & (self.pick < at + x2.shape[0])] - at
+        self._fold.add([a.sum(0), a.amax(0), x2[here].clone()])
+
+    def _merge(self, payload) -> None:
+        s, m, rows = payload
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        self.abs_max = m if self.abs_max is None else torch.maximum(self.abs_max, m)
+        self.rows.append(rows)
+        self.tokens += self.layout.tokens(len(self.rows) - 1)
+
+    def finish(self) -> None:
+        self._fold.finish()
 
     @property
     def sample(self) -> torch.Tensor:
@@ -61,24 +75,26 @@ class Transformed:
 
 
 def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing], job,
-                     pieces: list[tuple[torch.Tensor, dict]], quantized_names: set[str]) -> dict[str, Transformed]:
+                     pieces: list[tuple[torch.Tensor, dict]], quantized_names: set[str],
+                     layout: ChunkLayout | None = None) -> dict[str, Transformed]:
     """Transform one float layer in place. Returns {target module: Transformed}.
 
-    `pieces` are the calibration chunks, each with the layer's keyword arguments for its batch size;
-    `job` is the conversion's quantkit.quantize.layers.Job (recipe, scale dtype, weight hook).
+    `pieces` are this rank's calibration chunks of `layout`, each with the layer's keyword arguments for
+    its batch size (default: they are the whole batch); `job` is the conversion's
+    quantkit.quantize.layers.Job (recipe, scale dtype, hook).
     """
-    total = sum(h.shape[0] * h.shape[1] for h, _ in pieces)  # tokens: [batch, seq, hidden] chunks
+    layout = layout or ChunkLayout(tuple(h.shape[0] for h, _ in pieces), pieces[0][0].shape[1])
     caps: dict[int, _Capture] = {}
     prev_out: dict[int, _Capture] = {}
     handles = []
     for k, sm in enumerate(smoothings):
         st = job.recipe.stages[sm.stage]
-        caps[k] = _Capture(st.max_tokens, total)
+        caps[k] = _Capture(st.max_tokens, layout)
         first = layer.get_submodule(sm.targets[0].name[len(prefix):])
         handles.append(first.register_forward_pre_hook(lambda _m, args, c=caps[k]: c.add(args[0])))
         prev = layer.get_submodule(sm.prev)
         if not isinstance(prev, nn.Linear):  # a norm: its output must be exactly what the targets read
-            prev_out[k] = _Capture(st.max_tokens, total)
+            prev_out[k] = _Capture(st.max_tokens, layout)
             handles.append(prev.register_forward_hook(lambda _m, _a, out, c=prev_out[k]: c.add(
                 out[0] if isinstance(out, tuple) else out)))
     try:
@@ -88,6 +104,10 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
     finally:
         for h in handles:
             h.remove()
+    for k in range(len(smoothings)):  # the same order on every rank
+        caps[k].finish()
+        if k in prev_out:
+            prev_out[k].finish()
 
     results: dict[str, Transformed] = {}
     with torch.no_grad():
