@@ -60,6 +60,7 @@ class HessianAccumulator:
         # down_proj; 18944 works): there, the full product (twice the flops, no crash)
         self._triangle = self._acc.device.type == "cpu" and self._acc.numel() * 4 < SYRK_MAX_BYTES
         self.n = 0
+        self._final = False  # H has been made (symmetric and scaled); nothing may be added after
 
     def add(self, x: torch.Tensor) -> None:
         self.fold(*self.partial(x))
@@ -90,6 +91,8 @@ class HessianAccumulator:
 
     def fold(self, part: torch.Tensor, tokens: int) -> None:
         """Add one chunk's product (from `partial`, here or on another rank) to the sum."""
+        if self._final:
+            raise RuntimeError("HessianAccumulator: a chunk was added after H was read")
         self._acc.add_(part)
         self.n += tokens
 
@@ -97,8 +100,8 @@ class HessianAccumulator:
     def H(self) -> torch.Tensor:
         """The full symmetric 2/n X^T X, made in place from the accumulated lower triangle (the upper one
         holds zeros until then), so it never needs more than one extra [in, in] temporary."""
-        if self._part is not None:  # first read: finish the sum once (no chunk may be added after this)
-            self._part = None
+        if not self._final:  # first read: finish the sum once
+            self._final, self._part = True, None
             if self._triangle:
                 self._acc.add_(torch.tril(self._acc, -1).t())  # upper (zeros) += lower^T; the rest += 0
             self._acc.mul_(2.0 / max(self.n, 1))
