@@ -23,6 +23,7 @@ names it; a killed run restarts from the last checkpoint named there. No pickle 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -195,12 +196,16 @@ def ce_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, v), ids[:, 1:].reshape(-1))  # [b*(L-1), vocab]
 
 
-def step_loss(student, teacher, ids: torch.Tensor, kind: str) -> torch.Tensor:
-    logits = student(input_ids=ids, use_cache=False).logits
+def step_loss(student, teacher, ids: torch.Tensor, kind: str, autocast: torch.dtype | None = None) -> torch.Tensor:
+    """One micro-batch's loss; the forwards run under autocast to `autocast` when given (the loss is fp32)."""
+    ctx = torch.autocast(ids.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with ctx:
+        if kind == "kd":  # first: the teacher swaps folded norm weights in and out, which must not happen
+            with torch.no_grad():  # while the student's graph holds them
+                t = teacher(input_ids=ids, use_cache=False).logits
+        logits = student(input_ids=ids, use_cache=False).logits
     if kind == "ce":
         return ce_loss(logits, ids)
-    with torch.no_grad():
-        t = teacher(input_ids=ids, use_cache=False).logits
     return kd_loss(logits, t)
 
 
@@ -268,10 +273,42 @@ def load_checkpoint(root: Path, params: dict[str, nn.Parameter], opt: torch.opti
 
 
 # ------------------------------------------------------------------------------------------------ run
+def optimizer_step(student, teacher, modules: dict[str, QATLinear], params: dict[str, nn.Parameter], opt,
+                   st: QATStage, train_w, weights, step: int, autocast: torch.dtype | None) -> float:
+    """One optimizer step over `grad_accum` micro-batches; returns the step's loss."""
+    device = next(student.parameters()).device
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, st)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for m in modules.values():  # fake-quantize each weight once per step, not once per micro-batch
+        m.begin_step()
+    try:
+        for micro in range(st.grad_accum):
+            ids = micro_batch(train_w, weights, st.seed, step, micro, st.batch_size).to(device)
+            loss = step_loss(student, teacher, ids, st.loss, autocast) / st.grad_accum
+            loss.backward()
+            total += float(loss.detach())
+        pairs = [p for p in (m.end_step() for m in modules.values()) if p is not None]
+    finally:
+        for m in modules.values():
+            m.end_step()
+    if pairs:  # the accumulated gradients, through the fake quantization (STE / LSQ) once
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_GRAD_NORM)
+    opt.step()
+    return total
+
+
 def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
           quiet: bool = False) -> dict:
+    from quantkit.hardware import compute_dtype
+
     params = trainable(modules)
     device = next(student.parameters()).device
+    dtype, why = compute_dtype(st.compute_dtype, device)
+    autocast = torch.bfloat16 if dtype == "bfloat16" else None
+    log.info("qat: forward in %s (%s)", dtype, why.replace("model.compute_dtype", "the qat stage's compute_dtype"))
     opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=BETAS, weight_decay=0.0)
     state = load_checkpoint(root, params, opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0}
     start = state["step"]
@@ -286,17 +323,7 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
     t0 = time.perf_counter() - state["wall_time_s"]
     bar = tqdm(range(start, st.steps), desc="qat", unit="step", disable=quiet, initial=start, total=st.steps)
     for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, st)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in range(st.grad_accum):
-            ids = micro_batch(train_w, weights, st.seed, step, micro, st.batch_size).to(device)
-            loss = step_loss(student, teacher, ids, st.loss) / st.grad_accum
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_GRAD_NORM)
-        opt.step()
+        total = optimizer_step(student, teacher, modules, params, opt, st, train_w, weights, step, autocast)
         state["train_loss"].append(round(total, 6))
         done = step + 1
         if done % st.eval_every == 0 or done == st.steps:
@@ -311,6 +338,7 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
         student.gradient_checkpointing_disable()
     student.eval()
     state["resumed_at_step"] = resumed
+    state["compute_dtype"], state["compute_dtype_reason"] = dtype, why
     return state
 
 
@@ -337,6 +365,8 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: lis
         "train_windows": sum(len(t) for t in train_w), "heldout_windows": len(heldout),
         "heldout_before": first, "heldout_after": last, "eval": state["eval"], "train_loss": state["train_loss"],
         "wall_time_s": state["wall_time_s"], "resumed_at_step": state.get("resumed_at_step"),
+        "compute_dtype": state["compute_dtype"], "compute_dtype_reason": state["compute_dtype_reason"],
+        "gradient_checkpointing": st.gradient_checkpointing,
         "modules": len(modules),
     }
     log.info("qat done: held-out KL %.5f -> %.5f, CE %.4f -> %.4f in %.1fs", first["kl"], last["kl"],

@@ -66,6 +66,45 @@ class _FakeQuantSTE(torch.autograd.Function):
         return grad_w, grad_s, None, None, None, None
 
 
+class _GroupFakeQuantSTE(torch.autograd.Function):
+    """The same fake quantization for contiguous groups, on a [out, n_groups, g] view of the weight: the
+    scale broadcasts over its group instead of being expanded to [out, in] by indexing, and its LSQ
+    gradient is a sum over the group's last dimension instead of a scatter. Only w, s and z are kept for
+    the backward pass, which recomputes the code positions (one division) instead of storing masks."""
+
+    @staticmethod
+    def forward(ctx, w, s, z, qmin: int, qmax: int, need_scale_grad: bool):
+        out_f, n_groups = s.shape
+        wv = w.view(out_f, n_groups, -1)  # [out, n_groups, g]
+        sv, zv = s.unsqueeze(-1), (z.unsqueeze(-1) if z is not None else None)  # [out, n_groups, 1]
+        v = wv / sv if zv is None else wv / sv + zv
+        q = torch.round(v).clamp_(qmin, qmax)
+        if zv is not None:
+            q.sub_(zv)
+        ctx.save_for_backward(w, s, z)
+        ctx.qrange, ctx.need_scale_grad = (qmin, qmax), need_scale_grad
+        return q.mul_(sv).view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, s, z = ctx.saved_tensors
+        qmin, qmax = ctx.qrange
+        out_f, n_groups = s.shape
+        sv, zv = s.unsqueeze(-1), (z.unsqueeze(-1) if z is not None else None)
+        v = w.view(out_f, n_groups, -1) / sv
+        if zv is not None:
+            v = v + zv
+        g3 = grad.reshape(out_f, n_groups, -1)
+        below, above = v < qmin, v > qmax
+        grad_w = g3.masked_fill(below | above, 0.0).view_as(w)  # straight through inside the clamp range
+        grad_s = None
+        if ctx.need_scale_grad:
+            zz = 0.0 if zv is None else zv
+            ds = torch.where(below, qmin - zz, torch.where(above, qmax - zz, torch.round(v) - v))
+            grad_s = (g3 * ds).sum(-1)  # [out, n_groups]
+        return grad_w, grad_s, None, None, None, None
+
+
 def fake_quant_weight_ste(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, spec: WeightSpec,
                           learn_scale: bool = False) -> torch.Tensor:
     """Fake-quantize a [out, in] weight with per-element (already expanded) scale / zero point."""
@@ -114,11 +153,19 @@ class QATLinear(nn.Module):
         self.register_buffer("weight_zero_point",
                              zero_point.detach().float().clone() if zero_point is not None else None)
         self.register_buffer("g_idx", g_idx.detach().long().clone())
+        n_groups = scale.shape[1]
+        self._contiguous = (spec.type == "int" and self.in_features % n_groups == 0 and torch.equal(
+            self.g_idx.cpu(), torch.arange(self.in_features) // (self.in_features // n_groups)))
         # the float Linear this module replaces, kept as stored (exact in its checkpoint dtype), for the
         # teacher's forward through the same module tree; not part of the state dict
         self.register_buffer("teacher_weight", None, persistent=False)
         self.register_buffer("teacher_bias", None, persistent=False)
         self.as_teacher = False
+        # within one optimizer step the latent weight does not change: its fake-quantized value is made once
+        # (`begin_step`) and shared by every micro-batch as a leaf; `end_step` sends the gradient they
+        # accumulated on it back through the fake quantization once
+        self._step_graph: torch.Tensor | None = None
+        self._step_leaf: torch.Tensor | None = None
 
     def keep_float(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         """Keep the original float weight (and bias) so this module can compute as the float model did."""
@@ -133,8 +180,23 @@ class QATLinear(nn.Module):
         return s_cols, z_cols
 
     def quantized_weight(self) -> torch.Tensor:
+        if self._contiguous:  # groups of equal size in column order: the grouped view, no [out, in] scales
+            s = storage_round_ste(self.weight_scale.clamp(min=1e-8), self.scale_dtype)  # [out, n_groups]
+            return _GroupFakeQuantSTE.apply(self.weight, s, self.weight_zero_point, self.spec.qmin, self.spec.qmax,
+                                            self.learn_scale)
         s_cols, z_cols = self.scales()
         return fake_quant_weight_ste(self.weight, s_cols, z_cols, self.spec, self.learn_scale)
+
+    def begin_step(self) -> None:
+        self._step_graph = self.quantized_weight()
+        self._step_leaf = self._step_graph.detach().requires_grad_()
+
+    def end_step(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(fake-quantized weight with its graph, the gradient the step's micro-batches put on it), or None
+        when no gradient reached it; the step's weight is dropped either way."""
+        out = (self._step_graph, self._step_leaf.grad) if self._step_leaf is not None and self._step_leaf.grad is not None else None
+        self._step_graph = self._step_leaf = None
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.as_teacher:  # the float model's Linear: no fake quantization, the original weight
@@ -142,7 +204,8 @@ class QATLinear(nn.Module):
             return F.linear(x, self.teacher_weight.to(x.dtype), b)
         if self.act is not None:
             x = fake_quant_activations_ste(x, self.act)
-        return F.linear(x, self.quantized_weight().to(x.dtype), self.bias)
+        w = self._step_leaf if self._step_leaf is not None and self.training else self.quantized_weight()
+        return F.linear(x, w.to(x.dtype), self.bias)
 
     @torch.no_grad()
     def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -174,7 +237,12 @@ class QATStage(QuantizerStage):
     checkpoint_every: int = Field(25, ge=1, description="resume point every N steps")
     seed: int = 0
     holdout_fraction: float = Field(0.1, gt=0, lt=1, description="share of the training windows held out")
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
+                                         "memory, one more forward per step (for models whose activations do not fit)")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the student's and teacher's forward under autocast: auto = bfloat16 where the hardware "
+                            "computes it natively (CUDA, AMX / AVX512-BF16 CPUs), else float32. Master weights, "
+                            "AdamW state, the fake quantization, the loss and the held-out evaluation stay fp32")
 
     @field_validator("scheme")
     @classmethod
