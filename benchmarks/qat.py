@@ -1,17 +1,22 @@
-"""How much of the post-training-quantization gap QAT recovers, on SmolLM2-135M W4A16 (group 64). Prints JSON.
+"""How much of its PTQ start's perplexity gap a QAT recipe recovers, and what it costs. Prints JSON.
 
-Held-out perplexity (transformers, calibration/heldout/technical.txt) of: the float model, PTQ RTN,
-PTQ GPTQ (32 x 512 calibration tokens), and QAT started from RTN (default) or GPTQ (--start gptq),
-trained with KL to the float model on the calibration sources (held-out split inside them).
-recovered = (ppl_start - ppl_qat) / (ppl_start - ppl_float): the share of the starting PTQ gap closed.
+Converts the recipe twice, as a user would: its PTQ start (the stages before `qat`; round-to-nearest with
+the qat stage's scheme when there are none) and the whole recipe, timed. Then scores the float model, the
+PTQ start and the QAT result with transformers (fp32, engine-free) on two kinds of held-out text:
+  - the recipe's own held-out split: every window QAT held out of its calibration sources (never trained on)
+  - calibration/heldout/technical.txt and general.txt: text outside the calibration corpus
+recovered = (ppl_start - ppl_qat) / (ppl_start - ppl_float), the share of the start's gap QAT closes. The
+manifest's held-out KL at each evaluation gives the curve (KL to the float model is 0 at full recovery).
 
-    .venv/bin/python benchmarks/qat.py --steps 25            # ~10 min on a loaded 2-core CPU
-    .venv/bin/python benchmarks/qat.py --steps 4 --no-gptq   # smoke run
+    .venv/bin/python benchmarks/qat.py                       # the shipped recipe, ~20 min on 2 cores
+    .venv/bin/python benchmarks/qat.py --set 'stages[1].steps=40'
+    .venv/bin/python benchmarks/qat.py --recipe recipes/smollm2-w8a8-qat.yaml
     .venv/bin/python benchmarks/qat.py --step-time           # seconds per optimizer step, the shipped recipe's shape
 
 --step-time times `quantkit.qat.optimizer_step` alone (the training loop's step: micro-batches, the
-teacher, the backward, AdamW) on the demo model with RTN W4A16 QATLinears, with the shipped QAT recipe's
-batch shape unless overridden, after one warm-up step.
+teacher or its cached top-k targets, the backward, AdamW) on the demo model with RTN W4A16 QATLinears,
+with the shipped QAT recipe's batch shape unless overridden, after one warm-up step. With top-k targets
+(the recipe's default) the teacher's pass over the windows runs first and is reported per window.
 
 Anchor: torchao reports QAT recovering about 40% of the int4 perplexity gap on gemma3-4b.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -28,93 +34,98 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-HELDOUT = REPO / "calibration" / "heldout" / "technical.txt"
+SHIPPED = REPO / "recipes" / "smollm2-w4a16-gptq-qat.yaml"
+HELDOUT_FILES = [REPO / "calibration" / "heldout" / "technical.txt", REPO / "calibration" / "heldout" / "general.txt"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(Path(os.environ.get("QUANTKIT_HOME", Path.home() / ".cache" / "quantkit"))
                                            / "models" / "smollm2-135m"))
-    ap.add_argument("--start", choices=["rtn", "gptq"], default="rtn", help="the PTQ result QAT starts from")
-    ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--scales", choices=["fixed", "learned"], default="learned")
-    ap.add_argument("--loss", choices=["kd", "ce"], default="kd")
-    ap.add_argument("--batch-size", type=int, default=None, help="default: 1 (step-time: the shipped recipe's)")
-    ap.add_argument("--seq-len", type=int, default=None, help="default: 256 (step-time: the shipped recipe's)")
-    ap.add_argument("--grad-accum", type=int, default=None, help="default: 1 (step-time: the shipped recipe's)")
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--ppl-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
-    ap.add_argument("--no-gptq", action="store_true", help="skip the GPTQ baseline (smoke runs)")
+    ap.add_argument("--recipe", default=str(SHIPPED), help="a recipe whose last stage is qat")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    ap.add_argument("--ppl-tokens", type=int, default=4096, help="tokens scored per held-out file")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--step-time", action="store_true", help="time optimizer steps only (see above)")
+    ap.add_argument("--batch-size", type=int, default=None, help="step-time: default the shipped recipe's")
+    ap.add_argument("--seq-len", type=int, default=None, help="step-time: default the shipped recipe's")
+    ap.add_argument("--grad-accum", type=int, default=None, help="step-time: default the shipped recipe's")
+    ap.add_argument("--group-size", type=int, default=64, help="step-time: the RTN students' group size")
     ap.add_argument("--timed-steps", type=int, default=3)
     ap.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--teacher-topk", type=int, default=None,
+                    help="step-time: the kd targets' k (0 = the teacher's forward in every step; default: the recipe's)")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
-    from quantkit import api
-    from quantkit.evaluate.hf_perplexity import load_for_perplexity, perplexity
-    from quantkit.recipe import load_recipe
-
     if args.step_time:
         return step_time(args)
-    args.batch_size, args.seq_len, args.grad_accum = args.batch_size or 1, args.seq_len or 256, args.grad_accum or 1
-    os.chdir(REPO)  # the shipped recipe names calibration/ relative to the repository root
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="qk-qat-bench-"))
-    base = REPO / "recipes" / "smollm2-w4a16-gptq-qat.yaml"
-    g = args.group_size
-    ptq = {"rtn": f"{{method: rtn, scheme: W4A16, group_size: {g}}}",
-           "gptq": f"{{method: gptq, scheme: W4A16, group_size: {g}, actorder: static}}"}
-    qat_stage = (f"{{method: qat, scheme: W4A16, group_size: {g}, steps: {args.steps}, lr: {args.lr:.8f}, "
-                 f"warmup_steps: {max(1, args.steps // 10)}, batch_size: {args.batch_size}, seq_len: {args.seq_len}, "
-                 f"grad_accum: {args.grad_accum}, loss: {args.loss}, scales: {args.scales}, "
-                 f"eval_every: {args.steps}, eval_samples: 4, checkpoint_every: {max(1, args.steps // 4)}}}")
+    recovery(args)
 
-    def convert(name: str, stages: str, samples: int) -> tuple[Path, float]:
-        r = load_recipe(base, [f"model.path={args.model}", f"name={name}", f"stages={stages}",
-                               f"calibration.num_samples={samples}"])
-        t0 = time.perf_counter()
-        out = api.convert(r, work / name, quiet=True, overwrite=True)
-        return out, time.perf_counter() - t0
 
-    def ppl(model_dir: Path) -> float:
-        m, tok = load_for_perplexity(model_dir)
-        return perplexity(m, tok, [HELDOUT], max_tokens=args.ppl_tokens)["perplexity"]
+def recovery(args) -> None:
+    import yaml
 
-    res: dict = {"model": "SmolLM2-135M", "scheme": f"W4A16 group {g}", "heldout": HELDOUT.name,
-                 "ppl_tokens": args.ppl_tokens, "threads": args.threads}
-    res["ppl_float"] = ppl(Path(args.model))
-    rtn_dir, res["rtn_convert_s"] = convert("rtn", f"[{ptq['rtn']}]", 32)
-    res["ppl_rtn"] = ppl(rtn_dir)
-    if not args.no_gptq:
-        gptq_dir, res["gptq_convert_s"] = convert("gptq", f"[{ptq['gptq']}]", 32)
-        res["ppl_gptq"] = ppl(gptq_dir)
-    # QAT alone starts from RTN; the pipeline's calibration forward is not needed then, so keep it small
-    stages = f"[{qat_stage}]" if args.start == "rtn" else f"[{ptq['gptq']}, {qat_stage}]"
-    qat_dir, res["qat_convert_s"] = convert("qat", stages, 4 if args.start == "rtn" else 32)
-    res["ppl_qat"] = ppl(qat_dir)
-    man = json.loads((qat_dir / "manifest.json").read_text())["qat"]
-    start = res[f"ppl_{args.start}"]
-    res["qat"] = {"starts_from": args.start, "steps": args.steps, "lr": args.lr, "scales": args.scales,
-                  "loss": args.loss, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                  "grad_accum": args.grad_accum, "tokens_trained": man["tokens_trained"],
-                  "train_wall_s": man["wall_time_s"], "heldout_split_kl": [man["heldout_before"]["kl"],
-                                                                          man["heldout_after"]["kl"]],
-                  "train_loss_first_last": [man["train_loss"][0], man["train_loss"][-1]]}
-    res["recovered_share_of_start_gap"] = round((start - res["ppl_qat"]) / (start - res["ppl_float"]), 4)
-    if "ppl_gptq" in res:
-        res["recovered_share_of_gptq_gap"] = round((res["ppl_gptq"] - res["ppl_qat"]) /
-                                                   (res["ppl_gptq"] - res["ppl_float"]), 4)
-    res["loss_curve"] = str(qat_dir / "qat_loss.png")
+    from quantkit import api
+    from quantkit.evaluate.hf_perplexity import load_for_perplexity, perplexity, window_nll
     from quantkit.hardware import hardware
+    from quantkit.qat import split_windows
+    from quantkit.recipe import load_recipe
 
+    os.chdir(REPO)  # the shipped recipes name calibration/ relative to the repository root
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="qk-qat-bench-"))
+    full = load_recipe(Path(args.recipe), [f"model.path={args.model}", *args.set])
+    st = full.stages[-1]
+    if st.method != "qat":
+        raise SystemExit(f"{args.recipe}: the last stage is {st.method!r}, not qat")
+    before = [s.model_dump(exclude_defaults=True) | {"method": s.method} for s in full.stages[:-1]] or \
+        [{"method": "rtn", "scheme": st.scheme, "group_size": st.group_size, "targets": st.targets, "ignore": st.ignore}]
+    ptq = load_recipe(Path(args.recipe), [f"model.path={args.model}", *args.set, f"name={full.name}-start",
+                                          f"stages={yaml.safe_dump(before, default_flow_style=True).strip()}"])
+
+    res: dict = {"recipe": os.path.relpath(args.recipe, REPO), "overrides": args.set, "threads": args.threads}
+    t0 = time.perf_counter()
+    start_dir = api.convert(ptq, work / "start", quiet=True, overwrite=True)
+    res["start_convert_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    qat_dir = api.convert(full, work / "qat", quiet=True, overwrite=True)
+    res["recipe_wall_s"] = round(time.perf_counter() - t0, 1)
+    man = json.loads((qat_dir / "manifest.json").read_text())["qat"]
+
+    tok = None
+    texts: dict[str, dict] = {}
+    for label, folder in (("float", Path(args.model)), ("start", start_dir), ("qat", qat_dir)):
+        model, tok = load_for_perplexity(folder)
+        if "split" not in texts:
+            _, _, held = split_windows(full.calibration, tok, st.seq_len, st.holdout_fraction, st.seed)
+            texts["split"] = {"windows": list(held)}
+        nll, n = window_nll(model, texts["split"]["windows"])
+        texts["split"][label] = math.exp(nll / n)
+        texts["split"]["tokens"] = n
+        per = perplexity(model, tok, HELDOUT_FILES, max_tokens=args.ppl_tokens)["per_file"]
+        for name, v in per.items():
+            texts.setdefault(name, {})[label] = v
+        del model
+    rows = {}
+    for name, t in texts.items():
+        rows[name] = {k: round(t[k], 4) for k in ("float", "start", "qat")}
+        rows[name]["recovered"] = round((t["start"] - t["qat"]) / (t["start"] - t["float"]), 4)
+        if "tokens" in t:
+            rows[name]["tokens"] = t["tokens"]
+    res["perplexity"] = {"recipe_heldout_split" if k == "split" else k: v for k, v in rows.items()}
+    kl0 = man["eval"][0]["kl"]
+    res["qat"] = {k: man[k] for k in ("steps", "steps_trained", "kept_step", "stopped_early", "early_stop", "lr",
+                                      "batch_size", "seq_len", "grad_accum", "tokens_trained", "teacher",
+                                      "compute_dtype", "wall_time_s")}
+    res["heldout_curve"] = [{"step": e["step"], "kl": round(e["kl"], 5), "ce": round(e["ce"], 5),
+                             "kl_recovered": round(1 - e["kl"] / kl0, 4)} for e in man["eval"]]
+    res["loss_curve_png"] = str(qat_dir / "qat_loss.png")
     res["hardware"] = hardware()
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
+    print(json.dumps(res, indent=2))
 
 
 def step_time(args) -> None:
@@ -133,7 +144,8 @@ def step_time(args) -> None:
     given = {k: v for k, v in {"batch_size": args.batch_size, "seq_len": args.seq_len,
                                "grad_accum": args.grad_accum}.items() if v is not None}
     st = QATStage(**{**shipped.model_dump(), **given, "compute_dtype": args.compute_dtype,
-                     "gradient_checkpointing": args.gradient_checkpointing})
+                     "gradient_checkpointing": args.gradient_checkpointing,
+                     **({"teacher_topk": args.teacher_topk} if args.teacher_topk is not None else {})})
     spec = get_scheme("W4A16").with_overrides(group_size=args.group_size).weights
     model = qat.load_float(Path(args.model), load_recipe(REPO / "recipes" / "smollm2-w4a16-gptq-qat.yaml",
                                                          [f"model.path={args.model}"]))
@@ -154,11 +166,17 @@ def step_time(args) -> None:
     opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=qat.BETAS, weight_decay=0.0)
     dtype, why = compute_dtype(st.compute_dtype, torch.device("cpu"))
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
-    train = [torch.randint(0, model.config.vocab_size, (64, st.seq_len), generator=torch.Generator().manual_seed(0))]
+    n_windows = 16
+    train = [torch.randint(0, model.config.vocab_size, (n_windows, st.seq_len), generator=torch.Generator().manual_seed(0))]
+    targets = None
+    if st.loss == "kd" and st.teacher_topk:  # as in a run that draws every window: the teacher's pass first
+        targets = qat.TeacherTargets(teacher, train, st.teacher_topk, autocast)
+        targets.precompute(torch.device("cpu"), st.batch_size * st.grad_accum, quiet=True)
     times, losses = [], []
     for step in range(args.timed_steps + 1):
         t0 = time.perf_counter()
-        losses.append(qat.optimizer_step(model, teacher, modules, params, opt, st, train, [1.0], step, autocast))
+        losses.append(qat.optimizer_step(model, teacher, modules, params, opt, st, train, [1.0], step, autocast,
+                                         targets))
         times.append(time.perf_counter() - t0)
     tokens = st.batch_size * st.seq_len * st.grad_accum
     res = {"mode": "step-time", "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum,
@@ -167,7 +185,9 @@ def step_time(args) -> None:
            "warmup_step_s": round(times[0], 3), "step_s": [round(t, 3) for t in times[1:]],
            "mean_step_s": round(sum(times[1:]) / args.timed_steps, 3),
            "train_tokens_per_s": round(tokens * args.timed_steps / sum(times[1:]), 1),
-           "losses": [round(x, 5) for x in losses], "hardware": hardware()}
+           "losses": [round(x, 5) for x in losses], "teacher_topk": st.teacher_topk if targets else 0,
+           "teacher_precompute_s_per_window": round(targets.seconds / n_windows, 3) if targets else None,
+           "hardware": hardware()}
     print(json.dumps(res, indent=2))
 
 

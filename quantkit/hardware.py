@@ -109,12 +109,13 @@ def conversion_device(spec: str = "auto", local_rank: int = 0):
     raise QuantkitError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
 
 
-def compute_dtype(requested: str, device) -> tuple[str, str]:
+def compute_dtype(requested: str, device, field: str = "model.compute_dtype") -> tuple[str, str]:
     """(dtype name, why) the calibration forward runs in. `auto`: bfloat16 where the hardware computes it
     natively (CUDA; CPUs with AMX or AVX512-BF16), float32 elsewhere, where bf16 matmuls are emulated and
-    slower than fp32. Hessians and the GPTQ/AWQ math are fp32 either way."""
+    slower than fp32. Hessians and the GPTQ/AWQ math are fp32 either way. `field` names the recipe setting
+    in the reason."""
     if requested != "auto":
-        return requested, "set in the recipe (model.compute_dtype)"
+        return requested, f"set in the recipe ({field})"
     if getattr(device, "type", str(device)) == "cuda":
         return "bfloat16", "auto: CUDA computes bf16 natively"
     if native_bf16():

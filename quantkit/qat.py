@@ -86,13 +86,16 @@ def split_windows(spec: CalibrationSpec, tokenizer, seq_len: int, holdout_fracti
     return train, weights, torch.tensor(held, dtype=torch.int64)
 
 
-def micro_batch(train: list[torch.Tensor], weights: list[float], seed: int, step: int, micro: int,
-                batch_size: int) -> torch.Tensor:
-    """The [batch_size, seq_len] batch of (step, micro): sources by weight, windows uniformly."""
+def micro_rows(train: list[torch.Tensor], weights: list[float], seed: int, step: int, micro: int,
+               batch_size: int) -> list[tuple[int, int]]:
+    """The (source, window) keys of the batch of (step, micro): sources by weight, windows uniformly."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + micro)
     srcs = torch.multinomial(torch.tensor(weights, dtype=torch.float64), batch_size, replacement=True, generator=g)
-    rows = [train[s][int(torch.randint(len(train[s]), (1,), generator=g))] for s in srcs.tolist()]
-    return torch.stack(rows)  # [batch_size, seq_len]
+    return [(s, int(torch.randint(len(train[s]), (1,), generator=g))) for s in srcs.tolist()]
+
+
+def micro_batch(train: list[torch.Tensor], keys: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.stack([train[s][r] for s, r in keys])  # [batch_size, seq_len]
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -183,12 +186,88 @@ def trainable(modules: dict[str, QATLinear]) -> dict[str, nn.Parameter]:
 
 
 # ----------------------------------------------------------------------------------------------- loss
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of KL(teacher || student) on [b, L, vocab] logits."""
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_logp: bool = False) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) on [b, L, vocab] logits (or the teacher's log-probabilities
+    when `teacher_logp`)."""
     v = student_logits.shape[-1]
     ls = F.log_softmax(student_logits.float().reshape(-1, v), dim=-1)  # [b*L, vocab]
-    lt = F.log_softmax(teacher_logits.float().reshape(-1, v), dim=-1)  # [b*L, vocab]
+    lt = teacher_logits.float().reshape(-1, v)
+    lt = lt if teacher_logp else F.log_softmax(lt, dim=-1)  # [b*L, vocab]
     return F.kl_div(ls, lt, log_target=True, reduction="batchmean")
+
+
+@dataclass
+class TopK:
+    """The teacher's k most likely next tokens at each position and the log-probability of everything else."""
+    index: torch.Tensor  # [..., L, k] int32 token ids
+    logp: torch.Tensor   # [..., L, k] fp32 log-probabilities (full-vocabulary softmax)
+    tail: torch.Tensor   # [..., L] fp32 log of the probability mass outside the k tokens
+
+    @staticmethod
+    def of(logits: torch.Tensor, k: int) -> "TopK":
+        lp = F.log_softmax(logits.float(), dim=-1)  # [..., L, vocab]
+        top, idx = lp.topk(min(k, lp.shape[-1] - 1), dim=-1)  # at least one token stays in the tail
+        return TopK(idx.to(torch.int32), top, torch.logsumexp(lp.scatter(-1, idx, float("-inf")), dim=-1))
+
+    def mass(self) -> float:
+        """Mean share of the probability that the k tokens hold."""
+        return float(self.logp.exp().sum(-1).mean())
+
+
+def kd_topk_loss(student_logits: torch.Tensor, t: TopK) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) between the two distributions coarsened to k + 1 outcomes:
+    the teacher's k most likely tokens, and the rest of the vocabulary as one. It equals the full KL when the
+    teacher's top k hold all its mass and is never above it (coarsening loses information), so it trains the
+    student's ranking of the likely tokens exactly and only the total of the unlikely ones."""
+    v, k = student_logits.shape[-1], t.index.shape[-1]
+    ls = F.log_softmax(student_logits.float().reshape(-1, v), dim=-1)  # [N, vocab]
+    idx = t.index.reshape(-1, k).long()  # [N, k]
+    ls_k = ls.gather(1, idx)  # [N, k]
+    ls_tail = torch.logsumexp(ls.scatter(1, idx, float("-inf")), dim=1)  # [N]
+    lt_k, lt_tail = t.logp.reshape(-1, k), t.tail.reshape(-1)
+    kl = (lt_k.exp() * (lt_k - ls_k)).sum(1) + lt_tail.exp() * (lt_tail - ls_tail)  # [N]
+    return kl.mean()
+
+
+class TeacherTargets:
+    """The teacher's top-k targets per training window, computed once and reused every time the window is
+    drawn again: a window's teacher output does not change during training. `precompute` fills the cache in
+    one batched pass, in a fixed order (when the run draws at least as many windows as there are); otherwise
+    `get` computes a window on its own the first time it is drawn. Either way a window's targets do not
+    depend on what was computed before, so a resumed run trains on the same targets. Memory: k * 8 + 4 bytes
+    per token (~130 KB per 256-token window at k = 64)."""
+
+    def __init__(self, teacher, train: list[torch.Tensor], k: int, autocast: torch.dtype | None):
+        self.teacher, self.train, self.k, self.autocast = teacher, train, k, autocast
+        self.cache: dict[tuple[int, int], TopK] = {}
+        self.seconds = 0.0
+
+    def _compute(self, keys: list[tuple[int, int]], device: torch.device) -> None:
+        t0 = time.perf_counter()
+        ids = micro_batch(self.train, keys).to(device)
+        ctx = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            top = TopK.of(self.teacher(input_ids=ids, use_cache=False).logits, self.k)  # [b, L, k]
+        for j, key in enumerate(keys):
+            self.cache[key] = TopK(top.index[j].cpu(), top.logp[j].cpu(), top.tail[j].cpu())
+        self.seconds += time.perf_counter() - t0
+
+    def precompute(self, device: torch.device, batch: int, quiet: bool) -> None:
+        keys = [(s, r) for s, t in enumerate(self.train) for r in range(len(t)) if (s, r) not in self.cache]
+        for i in tqdm(range(0, len(keys), batch), desc="qat teacher", unit="batch", disable=quiet or not keys):
+            self._compute(keys[i:i + batch], device)
+
+    def get(self, keys: list[tuple[int, int]], device: torch.device) -> TopK:
+        for key in dict.fromkeys(k for k in keys if k not in self.cache):
+            self._compute([key], device)
+        rows = [self.cache[k] for k in keys]
+        return TopK(torch.stack([r.index for r in rows]).to(device), torch.stack([r.logp for r in rows]).to(device),
+                    torch.stack([r.tail for r in rows]).to(device))
+
+    def summary(self) -> dict:
+        mass = [float(t.logp.exp().sum(-1).mean()) for t in self.cache.values()]
+        return {"topk": self.k, "windows_cached": len(self.cache), "teacher_s": round(self.seconds, 2),
+                "topk_mass_mean": round(sum(mass) / len(mass), 4) if mass else None}
 
 
 def ce_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -196,33 +275,58 @@ def ce_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, v), ids[:, 1:].reshape(-1))  # [b*(L-1), vocab]
 
 
-def step_loss(student, teacher, ids: torch.Tensor, kind: str, autocast: torch.dtype | None = None) -> torch.Tensor:
-    """One micro-batch's loss; the forwards run under autocast to `autocast` when given (the loss is fp32)."""
+def step_loss(student, teacher, ids: torch.Tensor, kind: str, autocast: torch.dtype | None = None,
+              targets: TopK | None = None) -> torch.Tensor:
+    """One micro-batch's loss; the forwards run under autocast to `autocast` when given (the loss is fp32).
+    With `targets` (the teacher's cached top-k for these windows) kd needs no teacher forward."""
     ctx = torch.autocast(ids.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     with ctx:
-        if kind == "kd":  # first: the teacher swaps folded norm weights in and out, which must not happen
-            with torch.no_grad():  # while the student's graph holds them
+        if kind == "kd" and targets is None:  # first: the teacher swaps folded norm weights in and out, which
+            with torch.no_grad():  # must not happen while the student's graph holds them
                 t = teacher(input_ids=ids, use_cache=False).logits
         logits = student(input_ids=ids, use_cache=False).logits
     if kind == "ce":
         return ce_loss(logits, ids)
-    return kd_loss(logits, t)
+    return kd_topk_loss(logits, targets) if targets is not None else kd_loss(logits, t)
 
 
-@torch.no_grad()
-def evaluate(student, teacher, heldout: torch.Tensor) -> dict:
-    """Held-out KL to the teacher and next-token loss, one window at a time."""
-    device = next(student.parameters()).device
-    was = student.training
-    student.eval()
-    kl = ce = 0.0
-    for row in heldout:
-        ids = row.unsqueeze(0).to(device)  # [1, L]
-        s = student(input_ids=ids, use_cache=False).logits
-        kl += float(kd_loss(s, teacher(input_ids=ids, use_cache=False).logits))
-        ce += float(ce_loss(s, ids))
-    student.train(was)
-    return {"kl": kl / len(heldout), "ce": ce / len(heldout)}
+HELDOUT_CACHE_BYTES = 1 << 30  # the teacher's held-out log-probabilities are kept in memory up to this size
+
+
+class HeldOut:
+    """The held-out windows, and the float teacher's log-probabilities on them (full vocabulary, fp32),
+    computed at the first evaluation and kept when they fit in HELDOUT_CACHE_BYTES (else recomputed)."""
+
+    def __init__(self, windows: torch.Tensor):
+        self.windows = windows  # [m, L]
+        self._teacher: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def evaluate(self, student, teacher) -> dict:
+        """Held-out KL to the teacher and next-token loss (exact, fp32), one window at a time."""
+        device = next(student.parameters()).device
+        was = student.training
+        student.eval()
+        kl = ce = 0.0
+        keep = self._teacher is None and self.windows.numel() * student.config.vocab_size * 4 <= HELDOUT_CACHE_BYTES
+        fresh = []
+        for i, row in enumerate(self.windows):
+            ids = row.unsqueeze(0).to(device)  # [1, L]
+            if self._teacher is not None:
+                lt = self._teacher[i].to(device)
+            else:
+                lt = F.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float(), dim=-1)  # [1, L, vocab]
+                if keep:
+                    fresh.append(lt.cpu())
+            s = student(input_ids=ids, use_cache=False).logits
+            kl += float(kd_loss(s, lt, teacher_logp=True))
+            ce += float(ce_loss(s, ids))
+        if keep:
+            self._teacher = fresh
+        student.train(was)
+        return {"kl": kl / len(self.windows), "ce": ce / len(self.windows)}
+
+
 
 
 def lr_at(step: int, st: QATStage) -> float:
@@ -249,9 +353,20 @@ def save_checkpoint(root: Path, step: int, params: dict[str, nn.Parameter], opt:
     save_file(tensors, str(tmp), metadata={"step": str(step)})
     os.replace(tmp, root / name)
     atomic_write_json(root / "state.json", {**state, "step": step, "checkpoint": name})
-    for old in root.glob("ckpt-*.safetensors"):
-        if old.name != name:
+    best = (state.get("best") or {}).get("file")
+    for old in [*root.glob("ckpt-*.safetensors"), *root.glob("best-*.safetensors")]:
+        if old.name not in (name, best):
             old.unlink()
+
+
+def save_best(root: Path, step: int, params: dict[str, nn.Parameter]) -> str:
+    """The trainable tensors at the best evaluation so far, as `best-<step>.safetensors` (temporary name, then
+    renamed); state.json names it at the next checkpoint, which then removes the older ones."""
+    name = f"best-{step:06d}.safetensors"
+    tmp = root / f".{name}.tmp"
+    save_file({n: p.detach().contiguous() for n, p in params.items()}, str(tmp), metadata={"step": str(step)})
+    os.replace(tmp, root / name)
+    return name
 
 
 def load_checkpoint(root: Path, params: dict[str, nn.Parameter], opt: torch.optim.Optimizer) -> dict | None:
@@ -274,8 +389,10 @@ def load_checkpoint(root: Path, params: dict[str, nn.Parameter], opt: torch.opti
 
 # ------------------------------------------------------------------------------------------------ run
 def optimizer_step(student, teacher, modules: dict[str, QATLinear], params: dict[str, nn.Parameter], opt,
-                   st: QATStage, train_w, weights, step: int, autocast: torch.dtype | None) -> float:
-    """One optimizer step over `grad_accum` micro-batches; returns the step's loss."""
+                   st: QATStage, train_w, weights, step: int, autocast: torch.dtype | None,
+                   targets: TeacherTargets | None = None) -> float:
+    """One optimizer step over `grad_accum` micro-batches; returns the step's loss. With `targets` the kd loss
+    uses the teacher's cached top-k instead of a teacher forward."""
     device = next(student.parameters()).device
     for g in opt.param_groups:
         g["lr"] = lr_at(step, st)
@@ -285,8 +402,10 @@ def optimizer_step(student, teacher, modules: dict[str, QATLinear], params: dict
         m.begin_step()
     try:
         for micro in range(st.grad_accum):
-            ids = micro_batch(train_w, weights, st.seed, step, micro, st.batch_size).to(device)
-            loss = step_loss(student, teacher, ids, st.loss, autocast) / st.grad_accum
+            keys = micro_rows(train_w, weights, st.seed, step, micro, st.batch_size)
+            ids = micro_batch(train_w, keys).to(device)
+            top = targets.get(keys, device) if targets is not None else None
+            loss = step_loss(student, teacher, ids, st.loss, autocast, top) / st.grad_accum
             loss.backward()
             total += float(loss.detach())
         pairs = [p for p in (m.end_step() for m in modules.values()) if p is not None]
@@ -302,43 +421,78 @@ def optimizer_step(student, teacher, modules: dict[str, QATLinear], params: dict
 
 def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
           quiet: bool = False) -> dict:
+    """Train, evaluating on the held-out windows every `eval_every` steps; stop early when the stage's
+    `early_stop` rule says so; put the trainable tensors of the best evaluation back at the end."""
     from quantkit.hardware import compute_dtype
 
     params = trainable(modules)
     device = next(student.parameters()).device
-    dtype, why = compute_dtype(st.compute_dtype, device)
+    dtype, why = compute_dtype(st.compute_dtype, device, field="the qat stage's compute_dtype")
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
-    log.info("qat: forward in %s (%s)", dtype, why.replace("model.compute_dtype", "the qat stage's compute_dtype"))
+    log.info("qat: forward in %s (%s)", dtype, why)
     opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=BETAS, weight_decay=0.0)
-    state = load_checkpoint(root, params, opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0}
+    state = load_checkpoint(root, params, opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0,
+                                                   "best": None, "stopped": None}
     start = state["step"]
     resumed = start or None
     if start:
         log.info("qat: resuming after step %d", start)
+    key = "kl" if st.loss == "kd" else "ce"
+    min_delta = st.early_stop.min_delta if st.early_stop else 0.0
+    held = HeldOut(heldout)
+    targets = TeacherTargets(teacher, train_w, st.teacher_topk, autocast) \
+        if st.loss == "kd" and st.teacher_topk else None
+    t0 = time.perf_counter() - state["wall_time_s"]
+    if not state["eval"]:  # the PTQ start: the weights to keep if training never beats it
+        e = held.evaluate(student, teacher)
+        state["eval"].append({"step": 0, **e})
+        state["best"] = {"step": 0, key: e[key], "waited": 0, "file": save_best(root, 0, params)}
+    draws = st.steps * st.grad_accum * st.batch_size  # the whole run's, so a resumed run decides the same
+    if targets is not None and not state["stopped"] and draws >= sum(len(t) for t in train_w):
+        targets.precompute(device, st.batch_size * st.grad_accum, quiet)  # every window is drawn anyway
     if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student.train()
-    if not state["eval"]:
-        state["eval"].append({"step": 0, **evaluate(student, teacher, heldout)})
-    t0 = time.perf_counter() - state["wall_time_s"]
-    bar = tqdm(range(start, st.steps), desc="qat", unit="step", disable=quiet, initial=start, total=st.steps)
+    todo = [] if state["stopped"] else range(start, st.steps)
+    bar = tqdm(todo, desc="qat", unit="step", disable=quiet, initial=start, total=st.steps)
     for step in bar:
-        total = optimizer_step(student, teacher, modules, params, opt, st, train_w, weights, step, autocast)
+        total = optimizer_step(student, teacher, modules, params, opt, st, train_w, weights, step, autocast, targets)
         state["train_loss"].append(round(total, 6))
         done = step + 1
         if done % st.eval_every == 0 or done == st.steps:
-            state["eval"].append({"step": done, **evaluate(student, teacher, heldout)})
-        key = "kl" if st.loss == "kd" else "ce"
-        bar.set_postfix_str(f"loss {total:.4f}, held-out {key} {state['eval'][-1][key]:.4f}")
+            e = held.evaluate(student, teacher)
+            state["eval"].append({"step": done, **e})
+            best = state["best"]
+            if e[key] < best[key] - min_delta:
+                state["best"] = {"step": done, key: e[key], "waited": 0, "file": save_best(root, done, params)}
+            else:
+                best["waited"] += 1
+                if st.early_stop and best["waited"] >= st.early_stop.patience:
+                    state["stopped"] = {
+                        "step": done, "reason": f"held-out {key} did not fall by more than {min_delta:g} in "
+                                                f"{best['waited']} evaluations after step {best['step']}"}
+        bar.set_postfix_str(f"loss {total:.4f}, held-out {key} {state['eval'][-1][key]:.4f} "
+                            f"(best {state['best'][key]:.4f} at {state['best']['step']})")
         log.info("qat step %d/%d: loss %.5f lr %.3g", done, st.steps, total, lr_at(step, st))
         state["wall_time_s"] = round(time.perf_counter() - t0, 2)
-        if done % st.checkpoint_every == 0 or done == st.steps:
+        if done % st.checkpoint_every == 0 or done == st.steps or state["stopped"]:
             save_checkpoint(root, done, params, opt, state)
+        if state["stopped"]:
+            log.info("qat: stopped early at step %d: %s", done, state["stopped"]["reason"])
+            break
     if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_disable"):
         student.gradient_checkpointing_disable()
     student.eval()
+    best = state["best"]
+    if best["step"] != state["eval"][-1]["step"]:  # the last evaluation is not the best: go back to the best
+        log.info("qat: keeping step %d (held-out %s %.5f), not the last", best["step"], key, best[key])
+        tensors = load_file(str(root / best["file"]))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(tensors[n])
     state["resumed_at_step"] = resumed
     state["compute_dtype"], state["compute_dtype_reason"] = dtype, why
+    state["teacher"] = targets.summary() if targets is not None else {"topk": 0}
     return state
 
 
@@ -357,20 +511,25 @@ def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: lis
     files = write_results(plan, layer_files, modules, root / "layers", on_weight)
     plot = plot_losses(state, st, root / "qat_loss.png")
     first, last = state["eval"][0], state["eval"][-1]
+    kept = next(e for e in state["eval"] if e["step"] == state["best"]["step"])
     summary = {
         "starts_from": sorted({t.method for t in plan.targets.values()}),  # the quantizers of the PTQ start
         "steps": st.steps, "loss": st.loss, "scales": st.scales, "lr": st.lr, "warmup_steps": st.warmup_steps,
         "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum, "seed": st.seed,
-        "tokens_trained": st.steps * st.grad_accum * st.batch_size * st.seq_len,
+        "tokens_trained": len(state["train_loss"]) * st.grad_accum * st.batch_size * st.seq_len,
         "train_windows": sum(len(t) for t in train_w), "heldout_windows": len(heldout),
-        "heldout_before": first, "heldout_after": last, "eval": state["eval"], "train_loss": state["train_loss"],
+        "heldout_before": first, "heldout_after": kept, "heldout_last": last, "eval": state["eval"],
+        "train_loss": state["train_loss"], "eval_every": st.eval_every, "kept_step": state["best"]["step"],
+        "steps_trained": len(state["train_loss"]),
+        "early_stop": st.early_stop.model_dump() if st.early_stop else None, "stopped_early": state["stopped"],
+        "teacher": state["teacher"],
         "wall_time_s": state["wall_time_s"], "resumed_at_step": state.get("resumed_at_step"),
         "compute_dtype": state["compute_dtype"], "compute_dtype_reason": state["compute_dtype_reason"],
         "gradient_checkpointing": st.gradient_checkpointing,
         "modules": len(modules),
     }
-    log.info("qat done: held-out KL %.5f -> %.5f, CE %.4f -> %.4f in %.1fs", first["kl"], last["kl"],
-             first["ce"], last["ce"], state["wall_time_s"])
+    log.info("qat done: held-out KL %.5f -> %.5f, CE %.4f -> %.4f (step %d kept) in %.1fs", first["kl"], kept["kl"],
+             first["ce"], kept["ce"], kept["step"], state["wall_time_s"])
     return QATResult(files, summary, [plot] if plot else [])
 
 
@@ -413,6 +572,11 @@ def plot_losses(state: dict, st: QATStage, path: Path) -> Path | None:
             label=f"train ({'KL to float' if st.loss == 'kd' else 'next-token CE'})")
     key = "kl" if st.loss == "kd" else "ce"
     ax.plot([e["step"] for e in state["eval"]], [e[key] for e in state["eval"]], "o-", label=f"held-out {key}")
+    best = state.get("best")
+    if best:
+        ax.axvline(best["step"], color="green", ls="--", lw=1, label=f"kept: step {best['step']}")
+    if state.get("stopped"):
+        ax.axvline(state["stopped"]["step"], color="red", ls=":", lw=1, label=f"stopped early: step {state['stopped']['step']}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(f"QAT: {st.scheme}, lr {st.lr:g}, {st.scales} scales")

@@ -133,6 +133,66 @@ def test_latent_start_keeps_the_ptq_codes():
         assert ((lat - start).abs() <= 0.45 * s_cols + 1e-7).all()
 
 
+# ------------------------------------------------------------------------------- top-k distillation
+def _coarse_kl(t: torch.Tensor, s: torch.Tensor, k: int) -> float:
+    """Independent reference, float64, one position at a time: KL between the teacher's k most likely
+    tokens plus 'everything else' and the student's probabilities of the same k + 1 outcomes."""
+    total, n = 0.0, 0
+    for tv, sv in zip(t.reshape(-1, t.shape[-1]), s.reshape(-1, s.shape[-1])):
+        pt, ps = tv.double().softmax(-1), sv.double().softmax(-1)
+        top = sorted(range(len(pt)), key=lambda i: -float(pt[i]))[:k]
+        bt = [float(pt[i]) for i in top] + [1 - sum(float(pt[i]) for i in top)]
+        bs = [float(ps[i]) for i in top] + [1 - sum(float(ps[i]) for i in top)]
+        total += sum(a * torch.log(torch.tensor(a / b, dtype=torch.float64)).item() for a, b in zip(bt, bs) if a > 0)
+        n += 1
+    return total / n
+
+
+def test_topk_kd_is_the_kl_of_the_coarsened_distributions():
+    g = torch.Generator().manual_seed(0)
+    t, s = torch.randn(2, 5, 40, generator=g) * 3, torch.randn(2, 5, 40, generator=g) * 3  # [b, L, vocab]
+    for k in (1, 4, 16):
+        got = float(qat_runner.kd_topk_loss(s, qat_runner.TopK.of(t, k)))
+        assert got == pytest.approx(_coarse_kl(t, s, k), rel=1e-4, abs=1e-6), k
+        assert got <= float(qat_runner.kd_loss(s, t)) + 1e-6  # coarsening never adds divergence
+    # with one token left in the tail the coarsened distributions are the full ones: same loss, same gradient
+    a, b = s.clone().requires_grad_(), s.clone().requires_grad_()
+    top = qat_runner.TopK.of(t, 1000)  # k is capped at vocab - 1
+    assert top.index.shape[-1] == 39
+    la, lb = qat_runner.kd_topk_loss(a, top), qat_runner.kd_loss(b, t)
+    la.backward(), lb.backward()
+    assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_teacher_targets_are_computed_once_per_window():
+    from types import SimpleNamespace
+
+    table = torch.randn(50, 30, generator=torch.Generator().manual_seed(1)) * 4  # token -> logits
+
+    class CountingTeacher:
+        windows = 0
+
+        def __call__(self, input_ids, use_cache):
+            self.windows += input_ids.shape[0]
+            return SimpleNamespace(logits=table[input_ids])  # [b, L, vocab]
+
+    train = [torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(2)) for _ in range(2)]
+    teacher = CountingTeacher()
+    tt = qat_runner.TeacherTargets(teacher, train, 5, None)
+    keys = [(0, 1), (1, 2), (0, 1)]
+    first = tt.get(keys, torch.device("cpu"))
+    assert teacher.windows == 2  # two distinct windows, each computed on its own
+    again = tt.get(keys, torch.device("cpu"))
+    assert teacher.windows == 2 and torch.equal(first.logp, again.logp)
+    want = qat_runner.TopK.of(table[train[1][2]], 5)
+    assert torch.equal(first.index[1], want.index) and torch.equal(first.logp[1], want.logp)
+    assert torch.equal(first.tail[1], want.tail)
+    tt.precompute(torch.device("cpu"), 4, quiet=True)
+    assert teacher.windows == 6 and len(tt.cache) == 6  # the four not yet drawn, in one pass
+    assert tt.summary()["windows_cached"] == 6 and 0 < tt.summary()["topk_mass_mean"] < 1
+
+
 # ------------------------------------------------------------------------------------------ training
 def test_qat_lowers_heldout_kl_and_export_reloads_like_training(peaky_llama, calib_text, tmp_path, monkeypatch):
     kept = {}
@@ -164,6 +224,25 @@ def test_qat_lowers_heldout_kl_and_export_reloads_like_training(peaky_llama, cal
     assert (a - b).abs().max() <= 1e-5 * a.abs().max()
     for name, w in cap.items():
         assert torch.equal(got.get_submodule(name).weight.to(torch.bfloat16), w.to(torch.bfloat16)), name
+
+
+def test_early_stop_keeps_the_best_evaluation_not_the_last(peaky_llama, calib_text, tmp_path):
+    """A learning rate that wrecks the model: the held-out KL rises at the first evaluation, training stops
+    (patience 1), and the export holds the best weights seen, here the PTQ start itself."""
+    _, rtn_weights, _ = _convert(peaky_llama, calib_text, [{"method": "rtn", "scheme": "W4A16", "group_size": 16}],
+                                 tmp_path / "rtn")
+    out = tmp_path / "out"
+    _, cap, man = _convert(peaky_llama, calib_text, [_qat(lr=0.5, warmup_steps=1, eval_every=2, checkpoint_every=5,
+                                                          early_stop={"patience": 1, "min_delta": 0.001})], out)
+    q = man["qat"]
+    assert q["stopped_early"]["step"] == 2 and q["steps_trained"] == 2 and len(q["train_loss"]) == 2
+    assert [e["step"] for e in q["eval"]] == [0, 2] and q["eval"][1]["kl"] > q["eval"][0]["kl"]
+    assert q["kept_step"] == 0 and q["heldout_after"] == q["heldout_before"] and q["heldout_last"] == q["eval"][1]
+    assert q["early_stop"] == {"patience": 1, "min_delta": 0.001}
+    assert cap.keys() == rtn_weights.keys()
+    for name, w in cap.items():
+        assert torch.equal(w, rtn_weights[name]), name
+    assert (out / "qat_loss.png").is_file()
 
 
 def test_w8a8_qat_after_gptq_reloads(peaky_llama, calib_text, tmp_path):

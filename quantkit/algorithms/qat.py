@@ -28,7 +28,7 @@ from torch import nn
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.algorithms.rtn import fake_quantize_activations
 from quantkit.schemes import SCHEMES, ActivationSpec, WeightSpec
@@ -216,6 +216,16 @@ class QATLinear(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ the stage config
+class EarlyStop(BaseModel):
+    """Stop when the held-out loss has not improved by more than `min_delta` for `patience` evaluations."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    patience: int = Field(3, ge=1, description="evaluations (every eval_every steps) without an improvement "
+                                               "before training stops")
+    min_delta: float = Field(0.0, ge=0, description="the least fall of the held-out loss that counts as an "
+                                                    "improvement (KL for loss kd, next-token loss for ce)")
+
+
 class QATStage(QuantizerStage):
     """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/qat.py.
 
@@ -232,7 +242,14 @@ class QATStage(QuantizerStage):
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     loss: Literal["kd", "ce"] = Field("kd", description="kd: KL to the float model's logits; ce: next-token loss")
     scales: Literal["fixed", "learned"] = Field("learned", description="keep the PTQ scales or learn them (LSQ)")
-    eval_every: int = Field(25, ge=1, description="held-out loss every N steps")
+    eval_every: int = Field(25, ge=1, description="held-out loss every N steps; the export keeps the weights "
+                                                "of the evaluation with the lowest held-out loss")
+    early_stop: EarlyStop | None = Field(None, description="stop when the held-out loss stops improving "
+                                                           "(absent: train all steps)")
+    teacher_topk: int = Field(64, ge=0, description="kd against the float model's k most likely next tokens plus "
+                                                    "one bucket for the rest of the vocabulary, computed once per "
+                                                    "training window and cached; 0 = the full distribution, "
+                                                    "recomputed at every step")
     eval_samples: int = Field(8, ge=1, description="held-out sequences scored at each evaluation")
     checkpoint_every: int = Field(25, ge=1, description="resume point every N steps")
     seed: int = 0

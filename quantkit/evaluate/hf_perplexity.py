@@ -24,30 +24,38 @@ def token_windows(text: str, tokenizer, window: int, max_tokens: int | None = No
 def perplexity(model, tokenizer, files: list[Path], window: int = 512, max_tokens: int | None = None,
                batch: int = 4) -> dict:
     """{'perplexity': float, 'tokens': int, 'per_file': {name: ppl}} for a causal LM on text files."""
-    model.eval()
     total_nll, total_n, per_file = 0.0, 0, {}
     for f in files:
         wins = token_windows(Path(f).read_text(encoding="utf-8"), tokenizer, window, max_tokens)
-        nll, n = 0.0, 0
-        for i in range(0, len(wins), batch):
-            group = wins[i:i + batch]
-            L = max(len(w) for w in group)
-            ids = torch.zeros(len(group), L, dtype=torch.long)  # [b, L] right-padded
-            mask = torch.zeros(len(group), L, dtype=torch.long)
-            for j, w in enumerate(group):
-                ids[j, :len(w)] = w
-                mask[j, :len(w)] = 1
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [b, L, vocab]
-            logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            tgt = ids[:, 1:]
-            tok_lp = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [b, L-1]
-            valid = mask[:, 1:].bool()
-            nll -= float(tok_lp[valid].sum())
-            n += int(valid.sum())
+        nll, n = window_nll(model, wins, batch)
         per_file[Path(f).name] = math.exp(nll / n)
         total_nll += nll
         total_n += n
     return {"perplexity": math.exp(total_nll / total_n), "tokens": total_n, "per_file": per_file}
+
+
+@torch.no_grad()
+def window_nll(model, wins: list[torch.Tensor], batch: int = 4) -> tuple[float, int]:
+    """(summed next-token NLL, tokens scored) over token windows, each scored on its own (the first token
+    of a window is not scored)."""
+    model.eval()
+    nll, n = 0.0, 0
+    for i in range(0, len(wins), batch):
+        group = wins[i:i + batch]
+        L = max(len(w) for w in group)
+        ids = torch.zeros(len(group), L, dtype=torch.long)  # [b, L] right-padded
+        mask = torch.zeros(len(group), L, dtype=torch.long)
+        for j, w in enumerate(group):
+            ids[j, :len(w)] = w
+            mask[j, :len(w)] = 1
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [b, L, vocab]
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        tgt = ids[:, 1:]
+        tok_lp = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [b, L-1]
+        valid = mask[:, 1:].bool()
+        nll -= float(tok_lp[valid].sum())
+        n += int(valid.sum())
+    return nll, n
 
 
 def load_for_perplexity(model_dir: Path, dtype: torch.dtype = torch.float32):
