@@ -8,6 +8,11 @@ weight-memory ratio <= 0.45, TPOT p90 ratio <= 0.9). The rules:
   value is null, zero-baseline or not finite, FAILS and says why. Nothing is skipped silently.
 - Where the gates come from, in order: the `gates` argument; the recipe stored in the artifact's
   manifest (`recipe.gates`); else the defaults for the artifact's scheme (DEFAULT_GATES below).
+- With `confidence: 0.95` a gate passes only if its whole 95% interval passes too (from the metric's
+  "ci95" in report.json: the candidate's interval, or the paired ratio interval for a relative gate;
+  the upper bound is checked for <, <=, the lower for >, >=). A point that passes with an interval that
+  does not FAILS as inconclusive, naming the interval; a metric without the interval FAILS and says so.
+  gate.json records the interval judged. Without `confidence` nothing about a gate changes.
 - The result is written as gate.json beside report.json, with the sha256 of the report it judged, so
   `quantkit publish` can refuse a stale or failing gate result without re-deciding anything.
 
@@ -118,6 +123,8 @@ class GateResult:
     passed: bool
     reason: str
     unit: str = ""
+    confidence: float | None = None  # the gate's `confidence`, if it asked for one
+    interval: list[float] | None = None  # the interval it judged ([low, high] of what was compared)
 
 
 @dataclass
@@ -151,9 +158,10 @@ def _num(x) -> float | None:
 
 def evaluate_gate(gate: GateSpec, metrics: dict) -> GateResult:
     """Check one gate against report.json's `metrics` dict; every way to be unmeasurable is a failure."""
-    def result(passed: bool, reason: str, baseline=None, candidate=None, value=None, unit="") -> GateResult:
+    def result(passed: bool, reason: str, baseline=None, candidate=None, value=None, unit="",
+               interval=None) -> GateResult:
         return GateResult(gate_label(gate), gate.metric, gate.op, gate.threshold, gate.relative,
-                          baseline, candidate, value, passed, reason, unit)
+                          baseline, candidate, value, passed, reason, unit, gate.confidence, interval)
 
     if gate.metric not in metrics:
         close = difflib.get_close_matches(gate.metric, list(metrics), n=3, cutoff=0.6)
@@ -182,7 +190,40 @@ def evaluate_gate(gate: GateSpec, metrics: dict) -> GateResult:
     ok = _OPS[gate.op](value, gate.threshold)
     what = "ratio" if gate.relative else "value"
     reason = f"{what} {value:.4g} {gate.op if ok else 'violates ' + gate.op} {gate.threshold:g}"
-    return result(ok, reason, base, cand, value, unit)
+    if gate.confidence is None:
+        return result(ok, reason, base, cand, value, unit)
+    interval, missing = _interval(gate, m)
+    if not ok:  # the point fails: as without `confidence`, with the interval for the reader
+        shown = f" ({gate.confidence:.0%} interval [{interval[0]:.4g}, {interval[1]:.4g}])" if interval else ""
+        return result(False, reason + shown, base, cand, value, unit, interval)
+    if interval is None:
+        return result(False, f"{reason}, but the gate asks for confidence {gate.confidence:g} and {missing}",
+                      base, cand, value, unit)
+    lo, hi = interval
+    bound = hi if gate.op in ("<=", "<") else lo  # the end of the interval nearest failing
+    shown = f"the {gate.confidence:.0%} interval [{lo:.4g}, {hi:.4g}]"
+    if _OPS[gate.op](bound, gate.threshold):
+        return result(True, f"{reason}, and so does all of {shown}", base, cand, value, unit, interval)
+    return result(False, f"point {value:.4g} passes {gate.op} {gate.threshold:g} but {shown} does not: inconclusive, "
+                         "the sample is too small to be sure; score more windows/items", base, cand, value, unit,
+                  interval)
+
+
+def _interval(gate: GateSpec, m: dict) -> tuple[list[float] | None, str]:
+    """(the 95% interval of what the gate compares, or None and why not) from a metric's "ci95"."""
+    ci = m.get("ci95") if isinstance(m.get("ci95"), dict) else {}
+    key = "ratio" if gate.relative else "candidate"
+    iv = ci.get(key)
+    if isinstance(iv, (list, tuple)) and len(iv) == 2 and all(_num(x) is not None and math.isfinite(x) for x in iv):
+        return [float(iv[0]), float(iv[1])], ""
+    if gate.relative and ci.get("baseline") is not None and ci.get("candidate") is not None:
+        return None, ("the report has each side's interval but no paired interval of the ratio (combining the two "
+                      "would be a guess); gate the candidate's value, or drop `confidence`")
+    if not ci:
+        return None, (f"the report has no interval for {gate.metric} (a report from before intervals, or a metric "
+                      "without one; see quantkit/evaluate/confidence.py); re-run the eval, or drop `confidence`")
+    return None, (f"the report has no {'ratio' if gate.relative else 'candidate'} interval for {gate.metric} "
+                  f"(too few windows or items, or none for this kind of metric); drop `confidence` or measure more")
 
 
 def read_report(report_path: Path) -> dict:
@@ -273,7 +314,8 @@ def format_table(gr: GateReport) -> str:
     rows = [("gate", "baseline", "candidate", "compared", "threshold", "result")]
     for r in gr.results:
         rows.append((r.name, fmt_value(r.baseline), fmt_value(r.candidate),
-                     (fmt_value(r.value) + (" (ratio)" if r.relative else "")) if r.value is not None else "-",
+                     ((fmt_value(r.value) + (" (ratio)" if r.relative else "")) if r.value is not None else "-")
+                     + (f" [{fmt_value(r.interval[0])}, {fmt_value(r.interval[1])}]" if r.interval else ""),
                      f"{r.op} {r.threshold:g}", "pass" if r.passed else "FAIL"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -296,8 +338,9 @@ def junit_xml(gr: GateReport) -> str:
         ET.SubElement(props, "property", name=k, value=v)
     for r in gr.results:
         case = ET.SubElement(suite, "testcase", classname=f"quantkit.gates.{name}", name=r.name, time="0")
+        ci = f" interval=[{fmt_value(r.interval[0])}, {fmt_value(r.interval[1])}]" if r.interval else ""
         out = (f"metric={r.metric} baseline={fmt_value(r.baseline)} candidate={fmt_value(r.candidate)} "
-               f"compared={fmt_value(r.value)} {r.op} {r.threshold:g}: {r.reason}")
+               f"compared={fmt_value(r.value)}{ci} {r.op} {r.threshold:g}: {r.reason}")
         if not r.passed:
             ET.SubElement(case, "failure", message=r.reason, type="GateFailed").text = out
         ET.SubElement(case, "system-out").text = out

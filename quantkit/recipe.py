@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from quantkit.evaluate.report import METRIC_PATTERNS
 from quantkit.quantize.methods import QUANTIZERS, STAGE_CLASSES
@@ -196,6 +196,27 @@ class GateSpec(Strict):
     threshold: float
     relative: bool = Field(False, description="compare candidate / baseline instead of the candidate value")
     name: str | None = Field(None, description="label shown in the gate table and JUnit (default: derived)")
+    confidence: float | None = Field(None, description="0.95: the whole 95% interval must pass (the upper bound for "
+                                                       "<, <=; the lower for >, >=; the ratio interval when relative), "
+                                                       "not only the point value")
+
+    @field_validator("confidence", mode="before")
+    @classmethod
+    def _supported_confidence(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != 0.95:
+            raise ValueError(f"gate confidence {v!r} is not supported: reports carry 95% intervals only, so write "
+                             "`confidence: 0.95` (or leave it out to gate on the point value)")
+        return 0.95
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_confidence(self, handler):
+        # a gate without `confidence` dumps as before, so recipe hashes (and resumable work folders) stay valid
+        data = handler(self)
+        if isinstance(data, dict) and data.get("confidence") is None:
+            data.pop("confidence", None)
+        return data
 
     @field_validator("threshold", mode="before")
     @classmethod

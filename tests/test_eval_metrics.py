@@ -234,7 +234,7 @@ def test_metrics_contract_and_report_rendering(tmp_path):
                  "speed.c4.e2e_ms_p50", "speed.c4.output_tok_s", "speed.c4.requests_s", "speed.c4.failed",
                  "memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens", "memory.peak_rss_bytes",
                  "cost.usd_per_mtok_output", "cost.usd_per_k_successful_tasks"):
-        assert set(table[name]) == {"baseline", "candidate", "unit", "higher_is_better"}, name
+        assert set(table[name]) - {"ci95"} == {"baseline", "candidate", "unit", "higher_is_better"}, name
     assert table["quality.perplexity"] == {"baseline": 10.0, "candidate": 10.5, "unit": "ppl", "higher_is_better": False}
     assert table["quality.top1_agreement"]["baseline"] == 1.0 and table["quality.kl_mean"]["baseline"] == 0.0
     assert metrics_table(None, cand, None)["quality.perplexity"]["baseline"] is None
@@ -261,7 +261,7 @@ def test_metrics_contract_and_report_rendering(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| quality.perplexity ↓ | 10.00 | 10.50 | +0.5 (+5.0%) |" in md
     assert "## Where the wait is" in md and "is prefill, not queueing" in md
-    assert "| qk_cloze.acc | 0.800 | 0.700 | -0.100 | 87.5% |" in md
+    assert "| qk_cloze.acc | 0.800 [0.490, 0.943] | 0.700 [0.397, 0.892] | -0.100 | 87.5% |" in md  # Wilson, 10 items
     for png in ("latency.png", "throughput.png", "quality.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 

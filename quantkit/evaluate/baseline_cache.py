@@ -11,6 +11,9 @@ under `$QUANTKIT_HOME/baselines/<key>/`. The key is the sha256 of:
 - the engine's name and version, and the engine dtype actually used
 - the hardware line: CPU model, its key flags, core count, memory, GPU
 
+Entries made before per-window data was recorded (no `window_positions` in quality.json, no `windows` in
+the side's quality) still load; the report then has no bootstrap interval for the baseline's side.
+
 Anything else changes nothing the baseline measures. A changed model, suite, task file, engine,
 dtype or machine gives another key, so a fresh measurement. `--fresh-baseline` measures anew and
 replaces the entry. Speed figures in a reused entry were measured when the entry was made: the report
@@ -58,7 +61,7 @@ def make_key(parts: dict) -> str:
 def quality_to_json(run: QualityRun | None) -> dict | None:
     if run is None:
         return None
-    return {"actual": run.actual, "per_file": run.per_file,
+    return {"actual": run.actual, "per_file": run.per_file, "window_positions": run.window_positions,
             "positions": [[[t, lp, rank] for t, (lp, rank) in pos.items()] for pos in run.positions]}
 
 
@@ -66,7 +69,8 @@ def quality_from_json(data: dict | None) -> QualityRun | None:
     if data is None:
         return None
     return QualityRun(actual=list(data["actual"]), per_file=data["per_file"],
-                      positions=[{int(t): (float(lp), int(rank)) for t, lp, rank in pos} for pos in data["positions"]])
+                      positions=[{int(t): (float(lp), int(rank)) for t, lp, rank in pos} for pos in data["positions"]],
+                      window_positions=[int(n) for n in data.get("window_positions") or []])  # absent in older entries
 
 
 def lookup(key: str) -> Path | None:

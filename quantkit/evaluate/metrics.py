@@ -1,8 +1,10 @@
 """The flat metrics table of a report: name -> {baseline, candidate, unit, higher_is_better}.
 
-This is the contract with `quantkit gate`: dotted names, floats or null. Divergence metrics give the
-baseline against itself (KL 0, agreement 1). Cost (with a price per hour) is taken at the load level
-with the highest output throughput of that model, and:
+This is the contract with `quantkit gate`: dotted names, floats or null, and for the metrics that have
+one an optional "ci95" {baseline, candidate, ratio} of 95% intervals ([low, high] or null; see
+quantkit/evaluate/confidence.py). Divergence metrics give the baseline against itself (KL 0, agreement 1).
+Cost (with a price per hour) is taken at the load level with the highest output throughput of that
+model, and:
 - usd_per_mtok_output = price_per_hour / 3600 / output_tok_s * 1e6
 - usd_per_k_successful_tasks = 1000 * price_per_hour / 3600 / requests_s / task_success_rate,
   i.e. the cost of serving one request at that level divided by the share of lm-eval items the
@@ -118,15 +120,25 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
 
 
 def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float | None) -> dict[str, dict]:
-    """Merge both sides into the flat contract table (a metric either side lacks is null there)."""
+    """Merge both sides into the flat contract table (a metric either side lacks is null there). A metric
+    with a 95% confidence interval on either side also has "ci95": {"baseline", "candidate", "ratio"},
+    each [low, high] or null (quantkit/evaluate/confidence.py says how they are computed)."""
+    from quantkit.evaluate.confidence import intervals
+
     b = side_values(baseline, price_per_hour)
     c = side_values(candidate, price_per_hour)
+    ci = intervals(baseline, candidate)
     out = {}
     for name in list(b) + [n for n in c if n not in b]:
         bv, unit, hib = b.get(name, (None, None, None))
         cv, cunit, chib = c.get(name, (None, None, None))
         out[name] = {"baseline": _num(bv), "candidate": _num(cv), "unit": unit or cunit,
                      "higher_is_better": bool(hib if hib is not None else chib)}
+        if name in ci:  # an interval only beside a value
+            keep = {"baseline": bv is not None, "candidate": cv is not None, "ratio": bv is not None and cv is not None}
+            ci95 = {role: ci[name][role] if keep[role] else None for role in keep}
+            if any(v is not None for v in ci95.values()):
+                out[name]["ci95"] = ci95
     return out
 
 

@@ -14,6 +14,12 @@ predicts it), so a window of n tokens gives n - 1 predictions. No BOS is added.
   the candidate did not return has q_t ≤ the candidate's k-th probability; it is imputed as
   min(q_kth, r / (m + 1)) with r = the candidate's mass outside its own list and m = the number of
   such tokens, which keeps q_rest > 0. Reported: mean over positions (and p99).
+
+Per window, for the confidence intervals (quantkit/evaluate/confidence.py bootstraps over windows):
+`QualityRun.window_positions` holds each window's number of scored positions, in scoring order across
+files; `window_sums` gives {"logprob_sum": [...], "positions": [...]} (one entry per window) and
+`divergence` adds {"kl_sum", "top1_agree", "positions"} per window under "windows". Baseline and
+candidate score the same windows, so these lists align by index.
 """
 
 from __future__ import annotations
@@ -81,9 +87,40 @@ class QualityRun:
     actual: list[int] = field(default_factory=list)
     positions: list[Position] = field(default_factory=list)
     per_file: dict[str, dict] = field(default_factory=dict)
+    window_positions: list[int] = field(default_factory=list)  # scored positions per window ([] = not recorded)
 
     def actual_logprobs(self) -> list[float]:
         return [pos[t][0] for pos, t in zip(self.positions, self.actual)]
+
+    def window_sums(self) -> dict | None:
+        """{"logprob_sum": [...], "positions": [...]} per window, or None where windows were not recorded."""
+        sums = _per_window(self.actual_logprobs(), self.window_positions)
+        return None if sums is None else {"logprob_sum": sums, "positions": list(self.window_positions)}
+
+
+def _per_window(values: list[float], sizes: list[int]) -> list[float] | None:
+    """Sum `values` over consecutive windows of `sizes`; None if the sizes do not cover the values exactly."""
+    if not sizes or sum(sizes) != len(values):
+        return None
+    out, i = [], 0
+    for n in sizes:
+        out.append(math.fsum(values[i:i + n]))
+        i += n
+    return out
+
+
+def restore_windows(run: QualityRun, files: list[Path], tokenizer, window: int, max_tokens: int | None) -> bool:
+    """Give a run scored before windows were recorded (an older baseline-cache entry) its window layout,
+    recomputed from the same files and settings; only if the scored tokens match exactly. True if set."""
+    if run.window_positions:
+        return True
+    scored = [w[1:] for f in files
+              for w in windows(tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"],
+                               window, max_tokens)]
+    if [t for w in scored for t in w] != run.actual:
+        return False
+    run.window_positions = [len(w) for w in scored]
+    return True
 
 
 def score_texts(files: list[Path], tokenizer, query, window: int, max_tokens: int | None) -> QualityRun:
@@ -101,6 +138,7 @@ def score_texts(files: list[Path], tokenizer, query, window: int, max_tokens: in
                     raise RuntimeError(f"position {i}: the actual token's logprob is missing from the response")
                 run.actual.append(w[i])
                 run.positions.append(pos[i])
+            run.window_positions.append(len(w) - 1)
         lps = [p[t][0] for p, t in zip(run.positions[n0:], run.actual[n0:])]
         run.per_file[f.name] = {"tokens": len(lps), "perplexity": perplexity(lps)}
     return run
@@ -113,7 +151,18 @@ def divergence(base: QualityRun, cand: QualityRun, k: int) -> dict:
     n = len(base.actual)
     if n == 0:
         raise ValueError("no scored positions")
-    agree = sum(top1(b) == top1(c) for b, c in zip(base.positions, cand.positions))
-    kls = sorted(kl_topk(b, c, k) for b, c in zip(base.positions, cand.positions))
-    return {"top1_agreement": agree / n, "kl_mean": sum(kls) / n, "kl_p99": kls[min(n - 1, int(0.99 * n))],
-            "positions": n, "top_k": k}
+    agrees = [float(top1(b) == top1(c)) for b, c in zip(base.positions, cand.positions)]
+    kl_pos = [kl_topk(b, c, k) for b, c in zip(base.positions, cand.positions)]
+    agree = int(sum(agrees))
+    kls = sorted(kl_pos)
+    out = {"top1_agreement": agree / n, "kl_mean": sum(kls) / n, "kl_p99": kls[min(n - 1, int(0.99 * n))],
+           "positions": n, "top_k": k}
+    # per window, for the bootstrap; either side's window layout will do (same tokens), a cached baseline
+    # from before windows were recorded has none
+    sizes = cand.window_positions or base.window_positions
+    if base.window_positions and cand.window_positions and base.window_positions != cand.window_positions:
+        sizes = []
+    kl_w, agree_w = _per_window(kl_pos, sizes), _per_window(agrees, sizes)
+    if kl_w is not None and agree_w is not None:
+        out["windows"] = {"kl_sum": kl_w, "top1_agree": [int(round(a)) for a in agree_w], "positions": list(sizes)}
+    return out

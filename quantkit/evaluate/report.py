@@ -5,9 +5,10 @@ artifact), and the metric names a gate may use (METRIC_PATTERNS). Gates and reci
 
 report.json top level: schema, created, artifact {path, name, quantization, size_bytes}, baseline
 {path, url}, engine {name, version, dtype, baseline/candidate engine facts}, hardware, workload,
-generation, suite, metrics (flat: name -> {baseline, candidate, unit, higher_is_better}; the contract
-with `quantkit gate`), recovery (candidate / baseline per task and mean), cost, where_the_wait_is,
-variants, details (per side, without per-request records: those stay in raw/), wall_s.
+generation, suite, metrics (flat: name -> {baseline, candidate, unit, higher_is_better}, plus "ci95"
+{baseline, candidate, ratio} where a 95% interval exists; the contract with `quantkit gate`), recovery
+(candidate / baseline per task and mean), cost, where_the_wait_is, variants, details (per side, without
+per-request records: those stay in raw/), wall_s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
+from quantkit.evaluate.confidence import DESCRIPTION as CI_DESCRIPTION
 from quantkit.evaluate.metrics import cost_figures, delta, metrics_table, recovery
 from quantkit.io import atomic_write_json, atomic_write_text
 
@@ -132,12 +134,24 @@ def _v(x: float | None, unit: str) -> str:
     return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
 
 
+def _ci(m: dict, role: str, unit: str) -> str:
+    """' [low, high]' of a metric's 95% interval on one side (or of the ratio), '' where it has none."""
+    iv = (m.get("ci95") or {}).get(role)
+    if not iv:
+        return ""
+    fmt = (lambda x: f"{x:.3f}") if role == "ratio" else (lambda x: _v(x, unit))
+    return f" [{fmt(iv[0])}, {fmt(iv[1])}]"
+
+
 def _row(name: str, m: dict, label: str | None = None) -> str:
     d, rel = delta(m["baseline"], m["candidate"])
     ds = "—" if d is None else (f"{d / 2**20:+,.1f} MiB" if m["unit"] == "bytes" else f"{d:+,.4g}")
     rs = "" if rel is None else f" ({rel:+.1%})"
+    ratio = _ci(m, "ratio", m["unit"])
+    rs += f"; ratio{ratio}" if ratio else ""
     arrow = "↑" if m["higher_is_better"] else "↓"
-    return f"| {label or name} {arrow} | {_v(m['baseline'], m['unit'])} | {_v(m['candidate'], m['unit'])} | {ds}{rs} |"
+    return (f"| {label or name} {arrow} | {_v(m['baseline'], m['unit'])}{_ci(m, 'baseline', m['unit'])} | "
+            f"{_v(m['candidate'], m['unit'])}{_ci(m, 'candidate', m['unit'])} | {ds}{rs} |")
 
 
 def _table(metrics: dict, names: list[str], labels: dict | None = None) -> list[str]:
@@ -171,13 +185,18 @@ def render_markdown(r: dict) -> str:
     L.append("KL is KL(baseline ‖ candidate) per token on the baseline's top-k log-probabilities plus one "
              "\"rest\" bucket (a lower bound of the full KL; see quantkit/evaluate/quality.py).")
     L.append("")
+    if any(m[n].get("ci95") for n in m):
+        L += [f"[low, high] beside a value is its 95% confidence interval, and \"ratio [low, high]\" that of "
+              f"candidate / baseline: {CI_DESCRIPTION}. A value without one had too few windows or items, or the "
+              "measurement predates intervals (quantkit/evaluate/confidence.py).", ""]
     task_names = sorted(n for n in m if n.startswith("tasks."))
     if task_names:
         L += ["### Tasks (lm-eval)", "", "| task metric | baseline | candidate | Δ | recovery |", "|---|---:|---:|---:|---:|"]
         for n in task_names:
             d, _ = delta(m[n]["baseline"], m[n]["candidate"])
             rec = r["recovery"].get(n)
-            L.append(f"| {n[6:]} | {_v(m[n]['baseline'], 'fraction')} | {_v(m[n]['candidate'], 'fraction')} | "
+            L.append(f"| {n[6:]} | {_v(m[n]['baseline'], 'fraction')}{_ci(m[n], 'baseline', 'fraction')} | "
+                     f"{_v(m[n]['candidate'], 'fraction')}{_ci(m[n], 'candidate', 'fraction')} | "
                      f"{'—' if d is None else f'{d:+.3f}'} | {'—' if rec is None else f'{rec:.1%}'} |")
         L.append("")
     L += ["## Memory", ""]

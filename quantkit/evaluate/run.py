@@ -114,6 +114,7 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
         entry = BC.lookup(cache[0]) if cache and not fresh_baseline else None
         if entry is not None:
             side.data, side.quality, meta = BC.load(entry, output)
+            _restore_cached_windows(side, spec, ppl_files, tokenizer)
             reused = {"from": meta["created"], "key": meta["key"], "entry": str(entry),
                       "source_eval": meta.get("source_eval")}
             progress(f"[baseline] reusing the measurement of {meta['created']} ({entry}); --fresh-baseline measures anew")
@@ -151,6 +152,18 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
     shutil.rmtree(output / "cache", ignore_errors=True)
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
     return output
+
+
+def _restore_cached_windows(side: _Side, spec: EvalSpec, ppl_files: list[Path], tokenizer) -> None:
+    """A cache entry from before per-window data was recorded: recompute its window layout from the same
+    files and settings (only if the scored tokens match), so the baseline gets bootstrap intervals too."""
+    q = side.data.get("quality")
+    if side.quality is None or not isinstance(q, dict) or "error" in q or "windows" in q:
+        return
+    if Q.restore_windows(side.quality, ppl_files, tokenizer, spec.perplexity_window, spec.perplexity_max_tokens):
+        q["windows"] = side.quality.window_sums()
+        if isinstance(q.get("divergence"), dict):  # against itself, as measured, now with its windows
+            q["divergence"] = Q.divergence(side.quality, side.quality, spec.logprobs_top_k)
 
 
 def _baseline_cache_key(side: _Side, spec: EvalSpec, ppl_files: list[Path]) -> tuple[str, dict]:
@@ -225,6 +238,9 @@ def _quality(side: _Side, spec: EvalSpec, ep, tokenizer, base_quality, progress)
     side.quality = run
     out = {"perplexity": Q.perplexity(run.actual_logprobs()), "tokens": len(run.actual), "per_file": run.per_file,
            "window": spec.perplexity_window, "top_k": spec.logprobs_top_k}
+    sums = run.window_sums()  # per window, for the bootstrap intervals (quantkit/evaluate/confidence.py)
+    if sums is not None:
+        out["windows"] = sums
     if side.role == "baseline":
         out["divergence"] = Q.divergence(run, run, spec.logprobs_top_k)  # itself: KL 0, agreement 1
     elif base_quality is not None:

@@ -1,0 +1,154 @@
+"""95% confidence intervals for the report's metrics: how sure a figure is, not only what it is.
+
+- Perplexity, KL mean and top-1 agreement: percentile bootstrap over the scored windows (the unit that
+  was sampled; positions inside a window are not independent). Each figure is a ratio of window sums
+  (perplexity = exp(-Σ logprob / Σ positions), KL mean = Σ KL / Σ positions, agreement = Σ agree /
+  Σ positions), recomputed on RESAMPLES resamples of the windows with replacement; the interval is the
+  2.5th and 97.5th percentile. The resampled index sets depend only on the number of windows (numpy
+  generator seeded with SEED), so the same input always gives the same interval, and the baseline's and
+  the candidate's resamples pair up window for window: the ratio interval (candidate / baseline) is
+  the percentile interval of the per-resample ratios (a paired bootstrap; identical sides give
+  exactly [1, 1]). Fewer than MIN_WINDOWS windows give no interval: a bootstrap over so few cannot see
+  the spread. Windows from different files are pooled (not stratified).
+- Task accuracies and tasks.success_rate (pooled): Wilson score interval on successes / items
+  (quantkit.evaluate.checks.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
+  interval at its effective sample size (`mean_of_rates_interval`). Metrics that are not a count of
+  successes (e.g. acc_norm) get none. Task ratios get none: the report keeps no per-item pairing of
+  the two sides.
+
+`intervals(baseline_side, candidate_side)` gives {metric: {"baseline", "candidate", "ratio"}} for the
+metrics that have at least one interval; metrics.metrics_table stores it as each metric's "ci95".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from quantkit.evaluate.checks import wilson
+
+LEVEL = 0.95
+RESAMPLES = 1000
+SEED = 0
+MIN_WINDOWS = 8
+DESCRIPTION = (f"perplexity, KL and top-1 agreement by a percentile bootstrap over the scored windows ({RESAMPLES} "
+               f"resamples, seed {SEED}, at least {MIN_WINDOWS} windows; the ratio interval of candidate / baseline "
+               "resamples the same windows on both sides); task rates by the Wilson score interval on successes / "
+               "items (tasks.mean_acc at its effective sample size)")
+
+# metric -> (where the per-window lists are in a side's quality dict, numerator list, transform of the ratio)
+_WINDOW_METRICS = {
+    "quality.perplexity": ((), "logprob_sum", lambda r: np.exp(-r)),
+    "quality.kl_mean": (("divergence",), "kl_sum", lambda r: r),
+    "quality.top1_agreement": (("divergence",), "top1_agree", lambda r: r),
+}
+
+
+def _columns(side: dict | None, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(per-window numerator, per-window positions) of `metric`, or None if absent or unusable."""
+    path, num_key, _ = _WINDOW_METRICS[metric]
+    w = (side or {}).get("quality")
+    for p in path:
+        w = w.get(p) if isinstance(w, dict) else None
+    w = w.get("windows") if isinstance(w, dict) else None
+    if not isinstance(w, dict):
+        return None
+    num, den = w.get(num_key), w.get("positions")
+    if not isinstance(num, list) or not isinstance(den, list) or len(num) != len(den) or len(den) < MIN_WINDOWS:
+        return None
+    try:
+        a, b = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    if not (np.all(np.isfinite(a)) and np.all(b > 0)):
+        return None
+    return a, b
+
+
+def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = SEED):
+    """Yield blocks of resampled window indices (rows of n indices in 0..n-1); a function of (n, resamples,
+    seed) only, so every metric and both sides over the same n windows see the same resamples."""
+    rng = np.random.default_rng(seed)
+    step = max(1, 4_000_000 // max(n, 1))  # bound the memory of one block
+    for start in range(0, resamples, step):
+        yield rng.integers(0, n, size=(min(step, resamples - start), n))
+
+
+def resampled(metric: str, num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """The metric recomputed on each resample of the windows."""
+    transform = _WINDOW_METRICS[metric][2]
+    return np.concatenate([transform(num[idx].sum(axis=1) / den[idx].sum(axis=1))
+                           for idx in resample_indices(len(den))])
+
+
+def percentile_interval(stats: np.ndarray) -> list[float] | None:
+    if stats.size == 0 or not np.all(np.isfinite(stats)):
+        return None
+    lo, hi = np.quantile(stats, [(1 - LEVEL) / 2, 1 - (1 - LEVEL) / 2])
+    return [float(lo), float(hi)]
+
+
+def window_intervals(baseline: dict | None, candidate: dict | None) -> dict[str, dict]:
+    """Bootstrap intervals of the window metrics for each side, and the paired ratio interval."""
+    out: dict[str, dict] = {}
+    for metric in _WINDOW_METRICS:
+        cols = {"baseline": _columns(baseline, metric), "candidate": _columns(candidate, metric)}
+        stats = {role: resampled(metric, *c) for role, c in cols.items() if c is not None}
+        ci = {role: percentile_interval(s) for role, s in stats.items()}
+        ratio = None
+        b, c = cols["baseline"], cols["candidate"]
+        if b is not None and c is not None and np.array_equal(b[1], c[1]):  # the same windows on both sides
+            den = stats["baseline"]
+            if np.all(den != 0):
+                ratio = percentile_interval(stats["candidate"] / den)
+        out[metric] = {"baseline": ci.get("baseline"), "candidate": ci.get("candidate"), "ratio": ratio}
+    return out
+
+
+def task_intervals(side: dict | None) -> dict[str, list[float]]:
+    """Wilson intervals of one side's task metrics that are proportions of successes."""
+    rows = ((side or {}).get("tasks") or {}).get("tasks") or {}
+    out: dict[str, list[float]] = {}
+    for task, r in rows.items():
+        n, s, v = r.get("items"), r.get("successes"), r.get("value")
+        if _is_proportion(v, s, n):
+            out[f"tasks.{task}.{r['metric']}"] = list(wilson(s, n))
+    n = sum(r.get("items") or 0 for r in rows.values())
+    s = sum(r.get("successes") or 0 for r in rows.values())
+    if n > 0 and 0 <= s <= n:
+        out["tasks.success_rate"] = list(wilson(s, n))  # pooled successes / items (metrics.task_success_rate)
+    if rows and all(f"tasks.{t}.{r['metric']}" in out for t, r in rows.items()):
+        out["tasks.mean_acc"] = list(mean_of_rates_interval([(r["successes"], r["items"]) for r in rows.values()]))
+    return out
+
+
+def mean_of_rates_interval(rates: list[tuple[int, int]]) -> tuple[float, float]:
+    """Wilson interval of the unweighted mean of several tasks' proportions (tasks.mean_acc), at the
+    effective sample size n_eff = m(1-m) / Var(m), Var(m) = Σ p_i(1-p_i)/n_i / T², capped at Σ n_i
+    (and Σ n_i when every task is all right or all wrong). With one task, or equal n_i and p_i, this is
+    wilson(successes, items) up to rounding; tasks with unequal rates give a narrower interval than the
+    pooled one, as a stratified sample should."""
+    t = len(rates)
+    ps = [s / n for s, n in rates]
+    m = sum(ps) / t
+    n_total = sum(n for _, n in rates)
+    var = sum(p * (1 - p) / n for p, (_, n) in zip(ps, rates)) / (t * t)
+    n_eff = min(n_total, m * (1 - m) / var) if var > 0 else n_total
+    return wilson(min(max(m * n_eff, 0.0), n_eff), n_eff)
+
+
+def _is_proportion(value, successes, items) -> bool:
+    """The task's value is successes / items (a binary per-item metric), so a Wilson interval describes it."""
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (value, successes, items)):
+        return False
+    return items > 0 and 0 <= successes <= items and math.isclose(value, successes / items, abs_tol=1e-9)
+
+
+def intervals(baseline: dict | None, candidate: dict | None) -> dict[str, dict]:
+    """{metric: {"baseline": [lo, hi] | None, "candidate": ..., "ratio": ...}} for the metrics with any interval."""
+    out = window_intervals(baseline, candidate)
+    tb, tc = task_intervals(baseline), task_intervals(candidate)
+    for name in list(tb) + [n for n in tc if n not in tb]:
+        out[name] = {"baseline": tb.get(name), "candidate": tc.get(name), "ratio": None}
+    return {name: ci for name, ci in out.items() if any(v is not None for v in ci.values())}
