@@ -419,6 +419,13 @@ def optimizer_step(student, teacher, modules: dict[str, QATLinear], params: dict
     return total
 
 
+def judge(best: float, waited: int, value: float, min_delta: float) -> tuple[bool, int]:
+    """One held-out evaluation against the best so far: (is it the new best, evaluations waited since the last
+    improvement by more than `min_delta`). The weights kept are always those of the lowest loss; `min_delta`
+    only decides what counts as progress for the early-stop patience."""
+    return value < best, 0 if value < best - min_delta else waited + 1
+
+
 def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
           quiet: bool = False) -> dict:
     """Train, evaluating on the held-out windows every `eval_every` steps; stop early when the stage's
@@ -463,14 +470,16 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
             e = held.evaluate(student, teacher)
             state["eval"].append({"step": done, **e})
             best = state["best"]
-            if e[key] < best[key] - min_delta:
-                state["best"] = {"step": done, key: e[key], "waited": 0, "file": save_best(root, done, params)}
+            lower, waited = judge(best[key], best["waited"], e[key], min_delta)
+            if lower:
+                state["best"] = {"step": done, key: e[key], "waited": waited, "file": save_best(root, done, params)}
             else:
-                best["waited"] += 1
-                if st.early_stop and best["waited"] >= st.early_stop.patience:
-                    state["stopped"] = {
-                        "step": done, "reason": f"held-out {key} did not fall by more than {min_delta:g} in "
-                                                f"{best['waited']} evaluations after step {best['step']}"}
+                best["waited"] = waited
+            best = state["best"]
+            if st.early_stop and best["waited"] >= st.early_stop.patience:
+                state["stopped"] = {
+                    "step": done, "reason": f"held-out {key} did not fall by more than {min_delta:g} in "
+                                            f"{best['waited']} evaluations (best {best[key]:.5f} at step {best['step']})"}
         bar.set_postfix_str(f"loss {total:.4f}, held-out {key} {state['eval'][-1][key]:.4f} "
                             f"(best {state['best'][key]:.4f} at {state['best']['step']})")
         log.info("qat step %d/%d: loss %.5f lr %.3g", done, st.steps, total, lr_at(step, st))

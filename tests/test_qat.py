@@ -245,6 +245,22 @@ def test_early_stop_keeps_the_best_evaluation_not_the_last(peaky_llama, calib_te
     assert (out / "qat_loss.png").is_file()
 
 
+def test_keep_best_tracks_the_lowest_loss_and_min_delta_only_sets_the_patience():
+    """A run whose held-out KL keeps falling by less than min_delta: every new low is the kept weights (the
+    export is never a worse evaluation than one already seen), while the patience counter runs on."""
+    from quantkit.qat import judge
+
+    kls, best, waited, kept, stops = [0.30, 0.20, 0.1995, 0.1992, 0.25, 0.1990], 1e9, 0, [], []
+    for step, kl in enumerate(kls):
+        lower, waited = judge(best, waited, kl, min_delta=0.001)
+        if lower:
+            best, kept = kl, kept + [step]
+        stops.append(waited)
+    assert kept == [0, 1, 2, 3, 5]  # every new low, however small the fall
+    assert stops == [0, 0, 1, 2, 3, 4]  # falls under min_delta do not reset the patience
+    assert judge(0.2, 5, 0.1, 0.0) == (True, 0) and judge(0.2, 0, 0.2, 0.0) == (False, 1)
+
+
 def test_w8a8_qat_after_gptq_reloads(peaky_llama, calib_text, tmp_path):
     # transformers quantizes activations with absmax / 127.5, quantkit (and vLLM) with absmax / 127
     out = tmp_path / "out"

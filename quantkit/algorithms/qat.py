@@ -217,7 +217,8 @@ class QATLinear(nn.Module):
 
 # ------------------------------------------------------------------------------------ the stage config
 class EarlyStop(BaseModel):
-    """Stop when the held-out loss has not improved by more than `min_delta` for `patience` evaluations."""
+    """Stop when the held-out loss has not improved by more than `min_delta` for `patience` evaluations. The
+    export holds the weights of the lowest held-out loss seen, whether or not training stopped early."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     patience: int = Field(3, ge=1, description="evaluations (every eval_every steps) without an improvement "
