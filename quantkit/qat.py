@@ -578,7 +578,8 @@ def plot_losses(state: dict, st: QATStage, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(range(1, len(state["train_loss"]) + 1), state["train_loss"], lw=0.8, alpha=0.6,
-            label=f"train ({'KL to float' if st.loss == 'kd' else 'next-token CE'})")
+            label="train (" + ("next-token CE" if st.loss != "kd" else "KL to float" if not st.teacher_topk
+                               else f"KL to float, top-{st.teacher_topk} + rest") + ")")
     key = "kl" if st.loss == "kd" else "ce"
     ax.plot([e["step"] for e in state["eval"]], [e[key] for e in state["eval"]], "o-", label=f"held-out {key}")
     best = state.get("best")
