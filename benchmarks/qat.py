@@ -8,9 +8,9 @@ PTQ start and the QAT result with transformers (fp32, engine-free) on two kinds 
 recovered = (ppl_start - ppl_qat) / (ppl_start - ppl_float), the share of the start's gap QAT closes. The
 manifest's held-out KL at each evaluation gives the curve (KL to the float model is 0 at full recovery).
 
-    .venv/bin/python benchmarks/qat.py                       # the shipped recipe, ~20 min on 2 cores
+    .venv/bin/python benchmarks/qat.py                       # the shipped recipe, ~17 min on 2 cores
     .venv/bin/python benchmarks/qat.py --set 'stages[1].steps=40'
-    .venv/bin/python benchmarks/qat.py --recipe recipes/smollm2-w8a8-qat.yaml
+    .venv/bin/python benchmarks/qat.py --recipe my-w8a8-qat.yaml  # any recipe whose last stage is qat
     .venv/bin/python benchmarks/qat.py --step-time           # seconds per optimizer step, the shipped recipe's shape
 
 --step-time times `quantkit.qat.optimizer_step` alone (the training loop's step: micro-batches, the
