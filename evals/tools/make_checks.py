@@ -638,23 +638,11 @@ def render() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from make_tasks import sync  # the sibling generator's write-or-check (this folder is on sys.path)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="verify the committed files instead of writing them")
-    args = ap.parse_args(argv)
-    files = render()
-    stale = []
-    for path, text in files.items():
-        if args.check:
-            if not path.exists() or path.read_text(encoding="utf-8") != text:
-                stale.append(path)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-        print(f"{path.relative_to(EVALS.parent)}: {text.count(chr(10))} items")
-    if stale:
-        print("out of date (run python evals/tools/make_checks.py):", *map(str, stale), sep="\n  ", file=sys.stderr)
-        return 1
-    return 0
+    return sync(render(), ap.parse_args(argv).check, "make_checks.py")
 
 
 if __name__ == "__main__":

@@ -551,14 +551,12 @@ def render() -> dict[Path, str]:
     return files
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="verify the committed files instead of writing them")
-    args = ap.parse_args(argv)
-    files = render()
+def sync(files: dict[Path, str], check: bool, script: str) -> int:
+    """Write `files`, or with `check` compare them with what is committed; print each data file's item count.
+    Returns the exit status: 1 when `check` finds a file out of date."""
     stale = []
     for path, text in files.items():
-        if args.check:
+        if check:
             if not path.exists() or path.read_text(encoding="utf-8") != text:
                 stale.append(path)
         else:
@@ -568,9 +566,15 @@ def main(argv: list[str] | None = None) -> int:
         if path.suffix == ".jsonl":
             print(f"{path.relative_to(EVALS.parent)}: {text.count(chr(10))} items")
     if stale:
-        print("out of date (run python evals/tools/make_tasks.py):", *map(str, stale), sep="\n  ", file=sys.stderr)
+        print(f"out of date (run python evals/tools/{script}):", *map(str, stale), sep="\n  ", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="verify the committed files instead of writing them")
+    return sync(render(), ap.parse_args(argv).check, "make_tasks.py")
 
 
 if __name__ == "__main__":
