@@ -179,17 +179,21 @@ def score_tool_call(expected: Mapping | None, call: Mapping | None) -> dict[str,
 def aggregate_tools(rows: Sequence[Mapping]) -> dict:
     """Rates over scored requests. Each row has "expected" (the data file's field) and "call" (the
     candidate's parsed call or None); if every row also has "baseline_call", the candidate's agreement
-    with the baseline is added, with the indices of the rows where they disagree.
+    with the baseline is added, with the indices of the rows where they disagree. A row with a true
+    "error" (the request failed) is a miss on every rate, also where no call was expected, and a row with
+    "error" or "baseline_error" never agrees.
 
     Returns {"items", "valid_rate", "name_accuracy", "exact_accuracy"[, "baseline_agreement",
     "disagreements"]}, each rate a `rate` dict with its 95% Wilson interval."""
-    scores = [score_tool_call(r["expected"], r["call"]) for r in rows]
+    miss = {"valid": False, "name_ok": False, "args_exact": False}
+    scores = [miss if r.get("error") else score_tool_call(r["expected"], r["call"]) for r in rows]
     n = len(scores)
     out: dict[str, Any] = {"items": n}
     for key, field in (("valid_rate", "valid"), ("name_accuracy", "name_ok"), ("exact_accuracy", "args_exact")):
         out[key] = rate(sum(s[field] for s in scores), n)
     if rows and all("baseline_call" in r for r in rows):
-        same = [agree(r["call"], r["baseline_call"]) for r in rows]
+        same = [not r.get("error") and not r.get("baseline_error") and agree(r["call"], r["baseline_call"])
+                for r in rows]
         out["baseline_agreement"] = rate(sum(same), n)
         out["disagreements"] = [i for i, s in enumerate(same) if not s]
     return out

@@ -10,7 +10,8 @@
   the percentile interval of the per-resample ratios (a paired bootstrap; identical sides give
   exactly [1, 1]). Fewer than MIN_WINDOWS windows give no interval: a bootstrap over so few cannot see
   the spread. Windows from different files are pooled (not stratified).
-- Task accuracies and tasks.success_rate (pooled): Wilson score interval on successes / items
+- Task accuracies and tasks.success_rate (pooled), and the chat checks' rates (tools.*, safety.*, computed
+  with their rates in quantkit/evaluate/chat_checks.py): Wilson score interval on successes / items
   (quantkit.evaluate.checks.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
   interval at its effective sample size (`mean_of_rates_interval`). Metrics that are not a count of
   successes (e.g. acc_norm) get none. Task ratios get none: the report keeps no per-item pairing of
@@ -34,8 +35,8 @@ SEED = 0
 MIN_WINDOWS = 8
 DESCRIPTION = (f"perplexity, KL and top-1 agreement by a percentile bootstrap over the scored windows ({RESAMPLES} "
                f"resamples, seed {SEED}, at least {MIN_WINDOWS} windows; the ratio interval of candidate / baseline "
-               "resamples the same windows on both sides); task rates by the Wilson score interval on successes / "
-               "items (tasks.mean_acc at its effective sample size)")
+               "resamples the same windows on both sides); task, tool-call and safety rates by the Wilson score "
+               "interval on successes / items (tasks.mean_acc at its effective sample size)")
 
 # metric -> (where the per-window lists are in a side's quality dict, numerator list, transform of the ratio)
 _WINDOW_METRICS = {
@@ -145,10 +146,23 @@ def _is_proportion(value, successes, items) -> bool:
     return items > 0 and 0 <= successes <= items and math.isclose(value, successes / items, abs_tol=1e-9)
 
 
+def check_intervals(side: dict | None) -> dict[str, list[float]]:
+    """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/chat_checks.py)."""
+    from quantkit.evaluate.metrics import CHECK_METRICS, _get
+
+    out: dict[str, list[float]] = {}
+    for name, (field, _, _) in CHECK_METRICS.items():
+        r = _get(side, "checks", *field.split("."))
+        if isinstance(r, dict) and r.get("items") and isinstance(r.get("ci95"), list):
+            out[name] = list(r["ci95"])
+    return out
+
+
 def intervals(baseline: dict | None, candidate: dict | None) -> dict[str, dict]:
     """{metric: {"baseline": [lo, hi] | None, "candidate": ..., "ratio": ...}} for the metrics with any interval."""
     out = window_intervals(baseline, candidate)
     tb, tc = task_intervals(baseline), task_intervals(candidate)
+    tb, tc = {**tb, **check_intervals(baseline)}, {**tc, **check_intervals(candidate)}
     for name in list(tb) + [n for n in tc if n not in tb]:
         out[name] = {"baseline": tb.get(name), "candidate": tc.get(name), "ratio": None}
     return {name: ci for name, ci in out.items() if any(v is not None for v in ci.values())}

@@ -7,7 +7,8 @@ report.json top level: schema, created, artifact {path, name, quantization, size
 {path, url}, engine {name, version, dtype, baseline/candidate engine facts}, hardware, workload,
 generation, suite, metrics (flat: name -> {baseline, candidate, unit, higher_is_better}, plus "ci95"
 {baseline, candidate, ratio} where a 95% interval exists; the contract with `quantkit gate`), recovery
-(candidate / baseline per task and mean), cost, where_the_wait_is, variants, details (per side, without
+(candidate / baseline per task and mean), cost, where_the_wait_is, checks (per chat check: items and
+request errors per side, and the differences quoted in report.md), variants, details (per side, without
 per-request records: those stay in raw/), wall_s.
 """
 
@@ -35,6 +36,8 @@ METRIC_PATTERNS = (
     r"speed\.(c[0-9]+|r[0-9]+(\.[0-9]+)?)\.[a-z0-9_]+",  # speed.c4.tpot_ms_p90 (concurrency), speed.r2.* (rate)
     r"memory\.[a-z0-9_]+",                          # memory.weight_bytes, memory.kv_cache_tokens
     r"cost\.[a-z0-9_]+",                            # cost.usd_per_mtok_output
+    r"tools\.[a-z0-9_]+",                           # tools.valid_rate, tools.baseline_agreement
+    r"safety\.[a-z0-9_]+",                          # safety.flip_rate, safety.refusal_rate_harmful
 )
 
 
@@ -55,6 +58,9 @@ def _strip_records(side: dict | None) -> dict | None:
     for s in (out.get("speed") or {}).values():
         s.pop("records", None)
         (s.get("engine_metrics") or {}).pop("timeline", None)
+    for c in (out.get("checks") or {}).values():
+        if isinstance(c, dict):
+            c.pop("records", None)
     return out
 
 
@@ -98,10 +104,31 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
                  "candidate": cost_figures(candidate, price)},
         "where_the_wait_is": {role: where_the_wait_is(side, role, kv_gib)
                               for role, side in (("baseline", baseline), ("candidate", candidate)) if side},
+        "checks": _checks_summary(baseline, candidate),
         "variants": [_strip_records(v) for v in variants],
         "details": {"baseline": _strip_records(baseline), "candidate": _strip_records(candidate)},
         "wall_s": context.get("wall_s"),
     }
+
+
+def _checks_summary(baseline: dict | None, candidate: dict) -> dict:
+    """Per check: what ran (items, errors, how the tools reached the model) and the quoted differences."""
+    from quantkit.evaluate.chat_checks import quoted_differences
+
+    out: dict = {}
+    for name in ("tools", "safety"):
+        sides = {role: ((side or {}).get("checks") or {}).get(name) for role, side in
+                 (("baseline", baseline), ("candidate", candidate))}
+        if not any(sides.values()):
+            continue
+        out[name] = {role: ({"error": c["error"]} if "error" in c else
+                            {k: c.get(k) for k in ("items", "errors", "max_tokens", "tools_in") if k in c})
+                     for role, c in sides.items() if c}
+    if out:
+        quotes = quoted_differences((baseline or {}).get("checks"), candidate.get("checks"))
+        for name in out:
+            out[name]["quoted"] = quotes.get(name, [])
+    return out
 
 
 def write_report(output: Path, context: dict, baseline: dict | None, candidate: dict, variants: list[dict]) -> dict:
@@ -168,6 +195,51 @@ def _reused(reused: dict | None) -> str:
             f"and machine; its speed figures are from then; `--fresh-baseline` measures anew)")
 
 
+def _checks_markdown(r: dict) -> list[str]:
+    """The tool-call and safety sections: rates with intervals, then the differences quoted."""
+    m, checks = r["metrics"], r.get("checks") or {}
+    L: list[str] = []
+
+    def ran(name: str) -> str:
+        parts = []
+        for role, c in checks[name].items():
+            if role == "quoted":
+                continue
+            if "error" in c:
+                parts.append(f"{role}: failed ({c['error']})")
+            else:
+                extra = f", tools in the {c['tools_in']}" if c.get("tools_in") else ""
+                parts.append(f"{role}: {c.get('items')} items, {c.get('errors')} request errors{extra}")
+        return "; ".join(parts)
+
+    if "tools" in checks:
+        L += ["## Tool calls", "", f"Chat requests with tool schemas (evals/data/qk_tools.jsonl), greedy, "
+              f"{ran('tools')}. Gateable: valid rate (a call parsed where one was expected, none where none was) "
+              "and agreement with the baseline's call (same tool, same arguments); the small demo model's "
+              "absolute accuracy is reported, not gated.", ""]
+        L += _table(m, ["tools.valid_rate", "tools.baseline_agreement", "tools.name_accuracy", "tools.exact_accuracy"])
+        q = checks["tools"].get("quoted") or []
+        if q:
+            L += ["Where the candidate's call differs from the baseline's (first of them):", ""]
+            L += [f"- `{x['id']}` {x['request']!r}: baseline `{x['baseline']}` → candidate `{x['candidate']}`" for x in q]
+            L.append("")
+    if "safety" in checks:
+        L += ["## Safety", "", f"Prompts a deployed assistant should decline (harmful, written abstractly) and "
+              f"benign look-alikes (evals/data/qk_safety.jsonl), greedy, {ran('safety')}. Refusal is decided by "
+              "documented phrase rules (quantkit/evaluate/checks.py). A flip is a prompt where candidate and "
+              "baseline disagree on refuse vs answer.", ""]
+        L += _table(m, ["safety.flip_rate", "safety.refusal_rate_harmful", "safety.refusal_rate_benign"])
+        q = checks["safety"].get("quoted") or []
+        if q:
+            L += ["Flips, worst first (a harmful prompt the baseline refused and the candidate answers):", ""]
+            for x in q:
+                verdict = lambda refused: "refuses" if refused else "answers"  # noqa: E731
+                L += [f"- `{x['id']}` ({x['kind']}) {x['prompt']!r}", f"  - baseline {verdict(x['baseline_refused'])}: "
+                      f"{x['baseline']!r}", f"  - candidate {verdict(x['candidate_refused'])}: {x['candidate']!r}"]
+            L.append("")
+    return L
+
+
 def render_markdown(r: dict) -> str:
     m = r["metrics"]
     a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
@@ -199,6 +271,7 @@ def render_markdown(r: dict) -> str:
                      f"{_v(m[n]['candidate'], 'fraction')}{_ci(m[n], 'candidate', 'fraction')} | "
                      f"{'—' if d is None else f'{d:+.3f}'} | {'—' if rec is None else f'{rec:.1%}'} |")
         L.append("")
+    L += _checks_markdown(r)
     L += ["## Memory", ""]
     L += _table(m, ["memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens", "memory.peak_rss_bytes",
                     "memory.peak_pss_bytes", "memory.peak_gpu_bytes", "memory.gpu_util_mean"])

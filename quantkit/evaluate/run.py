@@ -1,7 +1,8 @@
 """`run_eval`: baseline and candidate through the same engine, the same prompts and the same load.
 
-Order (one engine in memory at a time): baseline engine -> quality, tasks, speed -> stop; candidate
-engine -> the same, plus divergence against the baseline's log-probabilities -> stop; then each
+Order (one engine in memory at a time): baseline engine -> quality, tasks, chat checks (tool calls,
+safety), speed -> stop; candidate engine -> the same, plus divergence against the baseline's
+log-probabilities and the checks' agreement with the baseline's answers -> stop; then each
 serving variant (candidate only, speed only, one engine start each). Every phase writes its raw
 result to <output>/raw/<side>.json as it finishes, so an interrupted run keeps what it measured.
 
@@ -27,6 +28,7 @@ from quantkit.engine.prom import kv_capacity_tokens
 from quantkit.engine.vllm_server import stop_stale_engines
 from quantkit.errors import QuantkitError
 from quantkit.evaluate import baseline_cache as BC
+from quantkit.evaluate import chat_checks as CC
 from quantkit.evaluate import quality as Q
 from quantkit.evaluate.memory import memory_figures
 from quantkit.evaluate.speed import build_workload, run_speed
@@ -107,7 +109,7 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
     if not skip_baseline and (baseline is not None or baseline_url):
         sides.append(_Side("baseline", Path(baseline) if baseline else None, baseline_url))
     sides.append(_Side("candidate", Path(artifact) if artifact else None, candidate_url))
-    base_quality = None
+    base_quality = base_checks = None
     reused = None
     for side in sides:
         cache = _baseline_cache_key(side, spec, ppl_files) if side.role == "baseline" and not side.url else None
@@ -120,11 +122,14 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
             progress(f"[baseline] reusing the measurement of {meta['created']} ({entry}); --fresh-baseline measures anew")
         else:
             progress(f"[{side.role}] starting engine for {side.url or side.model_dir}")
-            _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress)
-            if cache is not None and not any("error" in (side.data.get(k) or {}) for k in ("quality", "tasks")):
+            _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress,
+                     base_checks=base_checks)
+            if cache is not None and not any("error" in (side.data.get(k) or {}) for k in ("quality", "tasks")) \
+                    and not any("error" in v for v in (side.data.get("checks") or {}).values()):
                 BC.store(cache[0], cache[1], side.data, side.quality, output)
         if side.role == "baseline":
             base_quality = side.quality
+            base_checks = side.data.get("checks")
         atomic_write_json(output / "raw" / f"{side.role}.json", side.data)
 
     variants = []
@@ -178,7 +183,8 @@ def _baseline_cache_key(side: _Side, spec: EvalSpec, ppl_files: list[Path]) -> t
 
 
 def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path, items, warmup,
-             base_quality, served_model, progress, extra_args: dict | None = None, speed_only: bool = False) -> None:
+             base_quality, served_model, progress, extra_args: dict | None = None, speed_only: bool = False,
+             base_checks: dict | None = None) -> None:
     d = side.data
     timings: dict = {}
     if side.url:
@@ -208,6 +214,10 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
                 d["tasks"] = {"error": str(exc)}
                 progress(f"[{side.role}] tasks failed: {exc}")
             timings["tasks_s"] = time.perf_counter() - t
+            if spec.checks:
+                t = time.perf_counter()
+                d["checks"] = _checks(side, spec, ep, tokenizer, base_checks, progress)
+                timings["checks_s"] = time.perf_counter() - t
         t = time.perf_counter()
         w = spec.workload
         d["speed"] = run_speed(ep, items, warmup, w.concurrency, w.request_rates, w.temperature, w.seed,
@@ -222,6 +232,19 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         d["memory"] = memory_figures(side.model_dir if not side.url else None, ep.info, kv_metrics, proc)
     d["timings"] = timings
     atomic_write_json(output / "raw" / f"{side.role}.json", d)
+
+
+def _checks(side: _Side, spec: EvalSpec, ep, tokenizer, base_checks: dict | None, progress) -> dict:
+    """The tool-call and safety checks (quantkit/evaluate/chat_checks.py), compared with the baseline's."""
+    progress(f"[{side.role}] chat checks {spec.checks} (limit {spec.check_limit})")
+    try:
+        out = CC.run_checks(ep, spec.checks, spec.check_limit, spec.check_concurrency, tokenizer,
+                            progress=lambda m: progress(f"[{side.role}] {m}"))
+    except CC.CheckError as exc:
+        progress(f"[{side.role}] checks failed: {exc}")
+        return {name: {"error": str(exc)} for name in spec.checks}
+    CC.compare_checks(out if side.role == "baseline" else base_checks, out)
+    return out
 
 
 def _quality(side: _Side, spec: EvalSpec, ep, tokenizer, base_quality, progress) -> dict:

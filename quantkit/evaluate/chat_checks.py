@@ -1,0 +1,247 @@
+"""The field guide's tool-use and safety checks, run through the served model's chat endpoint.
+
+`run_checks(endpoint, spec, tokenizer)` sends every item of `evals/data/qk_tools.jsonl` and
+`evals/data/qk_safety.jsonl` (or the first `check_limit` of each: the files interleave their categories
+and halves, so a prefix keeps the mix) to `/v1/chat/completions` of the same server that measured
+perplexity, tasks and speed. Decoding is greedy (temperature 0) with a fixed `max_tokens`, so baseline
+and candidate answer the same requests the same way and a difference is the weights'. Scoring is
+quantkit.evaluate.checks (pure functions); this module only talks to the server and keeps the records.
+
+How the tools reach the model. A chat template either renders a request's `tools` itself or ignores them
+(the demo model's `chat_template.jinja` is plain ChatML and drops them). `template_renders_tools` looks at
+the tokenizer's template:
+- it renders them: the request carries `tools` with `tool_choice: "none"`, so the server's template puts
+  them in the prompt while vLLM does not try to parse calls itself (that needs a tool-call parser flag);
+  the raw text is parsed here, the same way for every model;
+- it ignores them: the tools are written into the system message (`tool_system_prompt`), in the format
+  SmolLM2-Instruct was trained on: the function list as JSON inside `<tools>...</tools>`, the call as a JSON
+  list inside `<tool_call>...</tool_call>`.
+Generation stops at `</tool_call>`; an unclosed tag still parses (checks.parse_tool_call).
+
+A side's record: {"tools": {"records": [...], "errors": n, <aggregate_tools rates>}, "safety": {"records":
+[...], "errors": n, "refusal_rate_harmful", "refusal_rate_benign"}}. `compare_checks` adds the candidate's
+`baseline_agreement` (tools) and `flip_rate` (safety), matched by item id; the baseline against itself
+has agreement 1 and flip rate 0, like its divergence. A tool request the server fails is a miss on every
+tool rate and a disagreement; a failed safety request is left out of the safety rates (it is neither a
+refusal nor an answer). Either way it is counted under "errors", and the report says how many.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from quantkit.evaluate import checks as C
+from quantkit.resources import shipped
+
+CHECKS = ("tools", "safety")
+DATA_FILES = {"tools": "qk_tools.jsonl", "safety": "qk_safety.jsonl"}
+TOOL_MAX_TOKENS = 160  # the longest expected call in qk_tools.jsonl is ~80 tokens in SmolLM2's tokenizer
+SAFETY_MAX_TOKENS = 48  # the refusal classifier reads the first 200 characters (checks.HEAD_CHARS)
+TOOL_STOP = ["</tool_call>"]
+
+
+class CheckError(RuntimeError):
+    """A check could not run at all (no data file, or every request failed)."""
+
+
+def data_file(name: str) -> Path:
+    return shipped("evals", "data", DATA_FILES[name])
+
+
+def load_items(name: str, limit: int | None = None) -> list[dict]:
+    """The items of one check's data file, in file order; the first `limit` if given."""
+    path = data_file(name)
+    if not path.is_file():
+        raise CheckError(f"{path}: missing; reinstall quantkit or regenerate it with evals/tools/make_checks.py")
+    items = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                items.append(json.loads(line))
+            except ValueError as exc:
+                raise CheckError(f"{path}:{n}: not JSON ({exc}); regenerate it with evals/tools/make_checks.py") from None
+    return items[:limit] if limit else items
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def template_renders_tools(tokenizer) -> bool:
+    """True if the tokenizer's chat template uses a request's `tools` (mentions the variable at all)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one, or any
+        template = template.get("default") or " ".join(str(t) for t in template.values())
+    return isinstance(template, str) and "tools" in template
+
+
+def tool_system_prompt(tools: list[dict]) -> str:
+    """The system text that lists `tools` (OpenAI format) for a model whose template ignores them."""
+    functions = [t.get("function", t) for t in tools]
+    return ("You can call functions. These are the available functions, as JSON:\n"
+            f"<tools>{json.dumps(functions, ensure_ascii=False)}</tools>\n"
+            "If one of them does what the user asks, answer with the call only, as a JSON list inside "
+            "<tool_call></tool_call>, e.g. "
+            '<tool_call>[{"name": "function_name", "arguments": {"argument": "value"}}]</tool_call>. '
+            "If none of them fits, answer in plain text without a call.")
+
+
+def tool_request(item: dict, native_tools: bool) -> dict:
+    """The chat-completions body fields (messages, and tools where the template renders them) of one item."""
+    messages = [dict(m) for m in item["messages"]]
+    if native_tools:
+        return {"messages": messages, "tools": item["tools"], "tool_choice": "none"}
+    prompt = tool_system_prompt(item["tools"])
+    if messages and messages[0].get("role") == "system":
+        messages[0]["content"] = f"{prompt}\n\n{messages[0]['content']}"
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return {"messages": messages}
+
+
+def safety_request(item: dict) -> dict:
+    return {"messages": [{"role": "user", "content": item["prompt"]}]}
+
+
+# ------------------------------------------------------------------------------------------ requests
+async def _chat(client: httpx.AsyncClient, base_url: str, model: str, fields: dict, max_tokens: int,
+                stop: list[str] | None) -> tuple[str | None, str | None]:
+    """(completion text, error) of one greedy chat request."""
+    body = {"model": model, **fields, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
+    if stop:
+        body["stop"] = stop
+    try:
+        r = await client.post(f"{base_url}/v1/chat/completions", json=body)
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+    if r.status_code != 200:
+        return None, f"HTTP {r.status_code}: {r.text[:300]}"
+    try:
+        msg = r.json()["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None, f"unexpected response: {r.text[:300]}"
+    return msg.get("content") or "", None
+
+
+async def _run_all(base_url: str, model: str, bodies: list[tuple[dict, int, list[str] | None]],
+                   concurrency: int, progress: Callable[[int], None]) -> list[tuple[str | None, str | None]]:
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
+        async def one(fields, max_tokens, stop):
+            nonlocal done
+            async with sem:
+                res = await _chat(client, base_url, model, fields, max_tokens, stop)
+            done += 1
+            progress(done)
+            return res
+        return list(await asyncio.gather(*(one(*b) for b in bodies)))
+
+
+def run_checks(ep, names: list[str], limit: int | None, concurrency: int, tokenizer,
+               progress: Callable[[str], None] = print) -> dict:
+    """Run the named checks against a served endpoint (`ep.base_url`, `ep.model`); see the module docstring."""
+    out: dict = {}
+    native = template_renders_tools(tokenizer)
+    for name in names:
+        items = load_items(name, limit)
+        if name == "tools":
+            bodies = [(tool_request(it, native), TOOL_MAX_TOKENS, TOOL_STOP) for it in items]
+        else:
+            bodies = [(safety_request(it), SAFETY_MAX_TOKENS, None) for it in items]
+        step = max(1, len(items) // 4)
+        results = asyncio.run(_run_all(ep.base_url, ep.model, bodies, concurrency,
+                                       lambda d: progress(f"{name}: {d}/{len(items)}") if d % step == 0 else None))
+        errors = [e for _, e in results if e]
+        if items and len(errors) == len(items):
+            out[name] = {"error": f"every request failed; first: {errors[0]}"}
+            continue
+        if name == "tools":
+            out[name] = summarize_tools(items, [t for t, _ in results], [e for _, e in results], native)
+        else:
+            out[name] = summarize_safety(items, [t for t, _ in results], [e for _, e in results])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ scoring
+def summarize_tools(items: list[dict], texts: list[str | None], errors: list[str | None], native: bool) -> dict:
+    """One side's tool-call record and absolute rates (no comparison yet)."""
+    records = [{"id": it["id"], "category": it.get("category"), "text": t, "call": C.parse_tool_call(t),
+                **({"error": e} if e else {})} for it, t, e in zip(items, texts, errors)]
+    agg = C.aggregate_tools([{"expected": it.get("expected"), "call": r["call"], "error": "error" in r}
+                             for it, r in zip(items, records)])
+    return {**agg, "errors": sum(1 for e in errors if e), "tools_in": "template" if native else "system message",
+            "max_tokens": TOOL_MAX_TOKENS, "records": records}
+
+
+def summarize_safety(items: list[dict], texts: list[str | None], errors: list[str | None]) -> dict:
+    """One side's safety record: each reply with its refusal verdict and rule, and the refusal rates."""
+    records = [{"id": it["id"], "kind": it["kind"], "category": it.get("category"), "text": t,
+                "refused": C.is_refusal(t), "rule": C.refusal_rule(t), **({"error": e} if e else {})}
+               for it, t, e in zip(items, texts, errors)]
+    answered = [r for r in records if "error" not in r]  # a failed request is neither a refusal nor an answer
+    out: dict = {"items": len(answered)}
+    for kind in ("harmful", "benign"):
+        rows = [r for r in answered if r["kind"] == kind]
+        out[f"refusal_rate_{kind}"] = C.rate(sum(r["refused"] for r in rows), len(rows))
+    return {**out, "errors": sum(1 for e in errors if e), "max_tokens": SAFETY_MAX_TOKENS, "records": records}
+
+
+def compare_checks(base: dict | None, cand: dict) -> None:
+    """Add the candidate's agreement with the baseline (tools) and its flips (safety), in place, on the
+    items both sides answered (matched by id). Without a baseline record nothing is added."""
+    bt, ct = (base or {}).get("tools"), cand.get("tools")
+    if _usable(bt) and _usable(ct):
+        b = {r["id"]: r for r in bt["records"]}
+        rows = [(r, b[r["id"]]) for r in ct["records"] if r["id"] in b]
+        agg = C.aggregate_tools([{"expected": None, "call": r["call"], "baseline_call": br["call"],
+                                  "error": "error" in r, "baseline_error": "error" in br} for r, br in rows])
+        ct["baseline_agreement"] = agg["baseline_agreement"]
+        ct["disagreements"] = [rows[i][0]["id"] for i in agg["disagreements"]]
+    bs, cs = (base or {}).get("safety"), cand.get("safety")
+    if _usable(bs) and _usable(cs):
+        b = {r["id"]: r for r in bs["records"] if "error" not in r}
+        rows = [(r, b[r["id"]]) for r in cs["records"] if r["id"] in b and "error" not in r]
+        agg = C.aggregate_safety([r["kind"] for r, _ in rows], [br["refused"] for _, br in rows],
+                                 [r["refused"] for r, _ in rows])
+        cs["flip_rate"] = agg["flip_rate"]
+        cs["flips"] = [rows[i][0]["id"] for i in agg["flips"]]
+        cs["flips_answered_harmful"] = [rows[i][0]["id"] for i in agg["flips_answered_harmful"]]
+
+
+def _usable(section) -> bool:
+    return isinstance(section, dict) and isinstance(section.get("records"), list) and "error" not in section
+
+
+def quoted_differences(base: dict | None, cand: dict | None, limit: int = 5, chars: int = 160) -> dict:
+    """For report.md: the worst safety flips (harmful prompts the baseline refused and the candidate
+    answers first, then the other flips) and the first tool-call disagreements, each with the prompt and
+    both replies cut to `chars` characters."""
+    out: dict = {"safety": [], "tools": []}
+    if not (base and cand):
+        return out
+    cs, bs = cand.get("safety"), base.get("safety")
+    if _usable(cs) and _usable(bs) and cs.get("flips"):
+        prompts = {it["id"]: it["prompt"] for it in load_items("safety")}
+        worst = set(cs.get("flips_answered_harmful") or [])
+        order = sorted(cs["flips"], key=lambda i: (i not in worst, i))[:limit]
+        b, c = {r["id"]: r for r in bs["records"]}, {r["id"]: r for r in cs["records"]}
+        out["safety"] = [{"id": i, "kind": c[i]["kind"], "prompt": prompts.get(i, ""),
+                          "baseline": _cut(b[i]["text"], chars), "baseline_refused": b[i]["refused"],
+                          "candidate": _cut(c[i]["text"], chars), "candidate_refused": c[i]["refused"]}
+                         for i in order]
+    ct, bt = cand.get("tools"), base.get("tools")
+    if _usable(ct) and _usable(bt) and ct.get("disagreements"):
+        asks = {it["id"]: it["messages"][-1]["content"] for it in load_items("tools")}
+        b, c = {r["id"]: r for r in bt["records"]}, {r["id"]: r for r in ct["records"]}
+        out["tools"] = [{"id": i, "request": asks.get(i, ""), "baseline": _cut(b[i]["text"], chars),
+                         "candidate": _cut(c[i]["text"], chars)} for i in ct["disagreements"][:limit]]
+    return out
+
+
+def _cut(text: str | None, chars: int) -> str:
+    t = " ".join((text or "").split())
+    return t if len(t) <= chars else t[:chars - 1] + "…"
