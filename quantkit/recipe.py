@@ -167,6 +167,8 @@ class EvalSpec(Strict):
     perplexity_window: int = Field(512, ge=16, description="tokens per scored window")
     perplexity_max_tokens: int | None = Field(4096, ge=16, description="per file; None = all")
     logprobs_top_k: int = Field(20, ge=1, le=20, description="top-k for KL/agreement (vLLM max_logprobs=20)")
+    reference: bool = Field(True, description="also score the perplexity windows engine-free (transformers, "
+                                              "float32) for both models: the report's reference column")
     tasks: list[str] = Field(default_factory=lambda: ["qk_suite"])
     task_limit: int | None = Field(None, ge=1, description="items per task; None = all")
     task_concurrency: int = Field(8, ge=1, description="parallel lm-eval requests")

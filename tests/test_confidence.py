@@ -292,7 +292,7 @@ def test_report_md_renders_intervals():
     md = render_markdown(rep)
     m = rep["metrics"]["quality.perplexity"]
     blo, bhi = m["ci95"]["baseline"]
-    assert f"| quality.perplexity ↓ | {m['baseline']:.2f} [{blo:.2f}, {bhi:.2f}] |" in md
+    assert f"| quality.perplexity (engine) ↓ | {m['baseline']:.2f} [{blo:.2f}, {bhi:.2f}] |" in md
     assert f"ratio [{math.exp(0.05):.3f}, {math.exp(0.05):.3f}]" in md
     lo, hi = wilson(119, 145)
     assert f"| qk_cloze.acc | {120 / 145:.3f} [" in md and f"{119 / 145:.3f} [{lo:.3f}, {hi:.3f}]" in md
@@ -301,7 +301,7 @@ def test_report_md_renders_intervals():
     for x in rep["metrics"].values():
         x.pop("ci95", None)
     old = render_markdown(rep)
-    assert "bootstrap" not in old and f"| quality.perplexity ↓ | {m['baseline']:.2f} | " in old
+    assert "bootstrap" not in old and f"| quality.perplexity (engine) ↓ | {m['baseline']:.2f} | " in old
 
 
 def test_reused_baseline_from_an_older_cache_entry_gets_its_windows(tmp_path):

@@ -111,7 +111,7 @@ def test_report_contract_and_content(report_dir, w8a8):
 def test_report_files_and_clean_shutdown(report_dir):
     md = (report_dir / "report.md").read_text()
     assert "# quantkit eval: smollm2-w8a8-rtn" in md
-    assert "| quality.perplexity ↓ |" in md and "qk_cloze.acc" in md and "### c2: concurrency 2" in md
+    assert "| quality.perplexity (engine) ↓ |" in md and "qk_cloze.acc" in md and "### c2: concurrency 2" in md
     assert "## Where the wait is" in md and "First token" in md
     for png in ("latency.png", "throughput.png", "quality.png"):
         assert (report_dir / "plots" / png).stat().st_size > 1000

@@ -259,7 +259,7 @@ def test_metrics_contract_and_report_rendering(tmp_path):
     for key in ("artifact", "baseline", "engine", "hardware", "workload", "generation"):
         assert key in data
     md = (tmp_path / "report.md").read_text()
-    assert "| quality.perplexity ↓ | 10.00 | 10.50 | +0.5 (+5.0%) |" in md
+    assert "| quality.perplexity (engine) ↓ | 10.00 | 10.50 | +0.5 (+5.0%) |" in md
     assert "## Where the wait is" in md and "is prefill, not queueing" in md
     assert "| qk_cloze.acc | 0.800 [0.490, 0.943] | 0.700 [0.397, 0.892] | -0.100 | 87.5% |" in md  # Wilson, 10 items
     for png in ("latency.png", "throughput.png", "quality.png"):

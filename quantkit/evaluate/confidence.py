@@ -1,6 +1,6 @@
 """95% confidence intervals for the report's metrics: how sure a figure is, not only what it is.
 
-- Perplexity, KL mean and top-1 agreement: percentile bootstrap over the scored windows (the unit that
+- Perplexity (the engine's and the engine-free reference's), KL mean and top-1 agreement: percentile bootstrap over the scored windows (the unit that
   was sampled; positions inside a window are not independent). Each figure is a ratio of window sums
   (perplexity = exp(-Σ logprob / Σ positions), KL mean = Σ KL / Σ positions, agreement = Σ agree /
   Σ positions), recomputed on RESAMPLES resamples of the windows with replacement; the interval is the
@@ -38,18 +38,19 @@ DESCRIPTION = (f"perplexity, KL and top-1 agreement by a percentile bootstrap ov
                "resamples the same windows on both sides); task, tool-call and safety rates by the Wilson score "
                "interval on successes / items (tasks.mean_acc at its effective sample size)")
 
-# metric -> (where the per-window lists are in a side's quality dict, numerator list, transform of the ratio)
+# metric -> (where the per-window lists are in a side's record, numerator list, transform of the ratio)
 _WINDOW_METRICS = {
-    "quality.perplexity": ((), "logprob_sum", lambda r: np.exp(-r)),
-    "quality.kl_mean": (("divergence",), "kl_sum", lambda r: r),
-    "quality.top1_agreement": (("divergence",), "top1_agree", lambda r: r),
+    "quality.perplexity": (("quality",), "logprob_sum", lambda r: np.exp(-r)),
+    "quality.reference_perplexity": (("reference",), "logprob_sum", lambda r: np.exp(-r)),
+    "quality.kl_mean": (("quality", "divergence"), "kl_sum", lambda r: r),
+    "quality.top1_agreement": (("quality", "divergence"), "top1_agree", lambda r: r),
 }
 
 
 def _columns(side: dict | None, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(per-window numerator, per-window positions) of `metric`, or None if absent or unusable."""
     path, num_key, _ = _WINDOW_METRICS[metric]
-    w = (side or {}).get("quality")
+    w = side or {}
     for p in path:
         w = w.get(p) if isinstance(w, dict) else None
     w = w.get("windows") if isinstance(w, dict) else None

@@ -38,8 +38,15 @@ def perplexity(model, tokenizer, files: list[Path], window: int = 512, max_token
 def window_nll(model, wins: list[torch.Tensor], batch: int = 4) -> tuple[float, int]:
     """(summed next-token NLL, tokens scored) over token windows, each scored on its own (the first token
     of a window is not scored)."""
+    per = window_nlls(model, wins, batch)
+    return math.fsum(x for x, _ in per), sum(n for _, n in per)
+
+
+@torch.no_grad()
+def window_nlls(model, wins: list[torch.Tensor], batch: int = 4) -> list[tuple[float, int]]:
+    """Per window, in order: (summed next-token NLL, tokens scored)."""
     model.eval()
-    nll, n = 0.0, 0
+    out: list[tuple[float, int]] = []
     for i in range(0, len(wins), batch):
         group = wins[i:i + batch]
         L = max(len(w) for w in group)
@@ -53,9 +60,9 @@ def window_nll(model, wins: list[torch.Tensor], batch: int = 4) -> tuple[float, 
         tgt = ids[:, 1:]
         tok_lp = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [b, L-1]
         valid = mask[:, 1:].bool()
-        nll -= float(tok_lp[valid].sum())
-        n += int(valid.sum())
-    return nll, n
+        for j in range(len(group)):
+            out.append((-float(tok_lp[j][valid[j]].double().sum()), int(valid[j].sum())))
+    return out
 
 
 def load_for_perplexity(model_dir: Path, dtype: torch.dtype = torch.float32):

@@ -2,7 +2,8 @@
 
 This is the contract with `quantkit gate`: dotted names, floats or null, and for the metrics that have
 one an optional "ci95" {baseline, candidate, ratio} of 95% intervals ([low, high] or null; see
-quantkit/evaluate/confidence.py). Divergence metrics give the baseline against itself (KL 0, agreement 1).
+quantkit/evaluate/confidence.py). Divergence metrics give the baseline against itself (KL 0, agreement 1),
+and so does quality.engine_gap (0 for the baseline; quantkit/evaluate/reference.py defines it).
 Cost (with a price per hour) is taken at the load level with the highest output throughput of that
 model, and:
 - usd_per_mtok_output = price_per_hour / 3600 / output_tok_s * 1e6
@@ -14,6 +15,8 @@ model, and:
 from __future__ import annotations
 
 from typing import Any
+
+from quantkit.evaluate.reference import engine_gap, engine_vs_reference
 
 LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 # the chat checks' figures (quantkit/evaluate/chat_checks.py): metric -> (path under a side's "checks",
@@ -96,6 +99,11 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
     out["quality.kl_mean"] = (_get(q, "divergence", "kl_mean"), "nats", False)
     out["quality.kl_p99"] = (_get(q, "divergence", "kl_p99"), "nats", False)
     out["quality.top1_agreement"] = (_get(q, "divergence", "top1_agreement"), "fraction", True)
+    ref = side.get("reference")
+    if isinstance(ref, dict):  # the engine-free reference (quantkit/evaluate/reference.py)
+        out["quality.reference_perplexity"] = (ref.get("perplexity"), "ppl", False)
+        out["quality.engine_vs_reference"] = (engine_vs_reference(q.get("perplexity"), ref.get("perplexity")),
+                                              "fraction", False)
     rows = _get(side, "tasks", "tasks") or {}
     for task, r in rows.items():
         out[f"tasks.{task}.{r['metric']}"] = (r["value"], "fraction", True)
@@ -142,6 +150,10 @@ def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float 
 
     b = side_values(baseline, price_per_hour)
     c = side_values(candidate, price_per_hour)
+    gap = engine_gap(baseline, candidate)
+    if gap is not None:  # needs both sides: the candidate's extra degradation in the engine; 0 for the baseline
+        b["quality.engine_gap"] = (0.0, "fraction", False)
+        c["quality.engine_gap"] = (gap, "fraction", False)
     ci = intervals(baseline, candidate)
     out = {}
     for name in list(b) + [n for n in c if n not in b]:

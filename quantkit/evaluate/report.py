@@ -195,6 +195,32 @@ def _reused(reused: dict | None) -> str:
             f"and machine; its speed figures are from then; `--fresh-baseline` measures anew)")
 
 
+def _reference_lines(r: dict) -> list[str]:
+    """What the reference column is, and a flag when the candidate loses more in the engine than outside it."""
+    from quantkit.evaluate.reference import ENGINE_GAP_FLAG
+
+    refs = {role: ((r["details"].get(role) or {}).get("reference")) for role in ("baseline", "candidate")}
+    if not any(refs.values()):
+        return []
+    L = []
+    for role, ref in refs.items():
+        if isinstance(ref, dict) and ("skipped" in ref or "error" in ref):
+            L.append(f"Reference perplexity of the {role}: not computed ({ref.get('skipped') or ref.get('error')}).")
+    done = next((x for x in (refs["candidate"], refs["baseline"]) if isinstance(x, dict) and "perplexity" in x), None)
+    if done:
+        L.append(f"Reference: the same {done.get('tokens') or 0:,} scored tokens, computed engine-free "
+                 f"({done.get('engine')}, {done.get('dtype')}). engine_vs_reference = engine / reference − 1 per model; engine_gap = how much "
+                 "more the candidate degrades in the engine than in the reference "
+                 "((engine_c / engine_b) / (reference_c / reference_b) − 1; quantkit/evaluate/reference.py).")
+    gap = (r["metrics"].get("quality.engine_gap") or {}).get("candidate")
+    if isinstance(gap, (int, float)) and gap > ENGINE_GAP_FLAG:
+        L.append(f"**Flag: the candidate loses {gap:.1%} more perplexity in the engine than the same weights lose in "
+                 f"the reference (above {ENGINE_GAP_FLAG:.0%}).** Part of its measured loss comes from how the engine "
+                 "reads the export or computes it, not from the quantization alone; gate it with "
+                 "`quality.engine_gap`.")
+    return L + [""] if L else []
+
+
 def _checks_markdown(r: dict) -> list[str]:
     """The tool-call and safety sections: rates with intervals, then the differences quoted."""
     m, checks = r["metrics"], r.get("checks") or {}
@@ -253,10 +279,13 @@ def render_markdown(r: dict) -> str:
          f"{hw.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU {hw.get('gpu') or 'none'}",
          f"- suite `{r['suite']['suite']}`; eval wall time {r.get('wall_s') or 0:.0f} s; report schema {r['schema']}", "",
          "↑ higher is better, ↓ lower is better. Δ% is relative to the baseline.", "", "## Quality", ""]
-    L += _table(m, ["quality.perplexity", "quality.top1_agreement", "quality.kl_mean", "quality.kl_p99"])
+    L += _table(m, ["quality.perplexity", "quality.reference_perplexity", "quality.engine_vs_reference",
+                    "quality.engine_gap", "quality.top1_agreement", "quality.kl_mean", "quality.kl_p99"],
+                {"quality.perplexity": "quality.perplexity (engine)"})
     L.append("KL is KL(baseline ‖ candidate) per token on the baseline's top-k log-probabilities plus one "
              "\"rest\" bucket (a lower bound of the full KL; see quantkit/evaluate/quality.py).")
     L.append("")
+    L += _reference_lines(r)
     if any(m[n].get("ci95") for n in m):
         L += [f"[low, high] beside a value is its 95% confidence interval, and \"ratio [low, high]\" that of "
               f"candidate / baseline: {CI_DESCRIPTION}. A value without one had too few windows or items, or the "

@@ -1,8 +1,9 @@
 """`run_eval`: baseline and candidate through the same engine, the same prompts and the same load.
 
 Order (one engine in memory at a time): baseline engine -> quality, tasks, chat checks (tool calls,
-safety), speed -> stop; candidate engine -> the same, plus divergence against the baseline's
-log-probabilities and the checks' agreement with the baseline's answers -> stop; then each
+safety), speed -> stop -> the engine-free reference perplexity of the same windows; candidate engine ->
+the same, plus divergence against the baseline's log-probabilities and the checks' agreement with the
+baseline's answers -> stop -> its reference; then each
 serving variant (candidate only, speed only, one engine start each). Every phase writes its raw
 result to <output>/raw/<side>.json as it finishes, so an interrupted run keeps what it measured.
 
@@ -31,6 +32,7 @@ from quantkit.evaluate import baseline_cache as BC
 from quantkit.evaluate import chat_checks as CC
 from quantkit.evaluate import quality as Q
 from quantkit.evaluate.memory import memory_figures
+from quantkit.evaluate.reference import reference_perplexity
 from quantkit.evaluate.speed import build_workload, run_speed
 from quantkit.evaluate.suite import load_suite, resolve_file
 from quantkit.evaluate.tasks import TaskError, run_tasks
@@ -230,8 +232,28 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
             kv_metrics = None
         proc = engine.monitor.snapshot() if hasattr(engine, "monitor") else None
         d["memory"] = memory_figures(side.model_dir if not side.url else None, ep.info, kv_metrics, proc)
+    if spec.reference and not speed_only and side.model_dir is not None:  # after the engine has stopped
+        t = time.perf_counter()
+        d["reference"] = _reference(side, spec, tokenizer, progress)
+        timings["reference_s"] = time.perf_counter() - t
     d["timings"] = timings
     atomic_write_json(output / "raw" / f"{side.role}.json", d)
+
+
+def _reference(side: _Side, spec: EvalSpec, tokenizer, progress) -> dict:
+    """The engine-free perplexity of the same windows (quantkit/evaluate/reference.py)."""
+    progress(f"[{side.role}] reference perplexity (transformers, float32, the same windows)")
+    try:
+        out = reference_perplexity(side.model_dir, [resolve_file(f) for f in spec.perplexity_files], tokenizer,
+                                   spec.perplexity_window, spec.perplexity_max_tokens)
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:  # never lose the engine's figures to it
+        progress(f"[{side.role}] reference perplexity unavailable: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if "skipped" in out:
+        progress(f"[{side.role}] reference perplexity skipped: {out['skipped']}")
+    else:
+        progress(f"[{side.role}] reference perplexity {out['perplexity']:.3f} ({out['seconds']:.0f} s)")
+    return out
 
 
 def _checks(side: _Side, spec: EvalSpec, ep, tokenizer, base_checks: dict | None, progress) -> dict:
