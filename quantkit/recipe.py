@@ -176,7 +176,7 @@ class EvalSpec(Strict):
         default_factory=lambda: ["tools", "safety"],
         description="chat checks through the server (evals/data/qk_tools.jsonl, qk_safety.jsonl); [] = none")
     check_limit: int | None = Field(None, ge=1, description="items per check (a prefix keeps the mix); None = all")
-    check_concurrency: int = Field(8, ge=1, description="parallel chat requests of the checks")
+    check_concurrency: int = Field(16, ge=1, description="parallel chat requests of the checks")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM server flags, e.g. "
                                         "tensor_parallel_size: 2 (also pipeline_parallel_size, data_parallel_size)")

@@ -102,6 +102,20 @@ def test_report_contract_and_content(report_dir, w8a8):
     assert m["memory.checkpoint_bytes"]["candidate"] < 0.75 * m["memory.checkpoint_bytes"]["baseline"]
     assert m["memory.kv_cache_tokens"]["candidate"] > 1000
     assert m["memory.peak_rss_bytes"]["candidate"] > 100 * 2**20
+    # the engine-free reference column: the baseline's engine perplexity equals it within 1% (issue 14)
+    ref_b, ref_c = m["quality.reference_perplexity"]["baseline"], m["quality.reference_perplexity"]["candidate"]
+    assert abs(b_ppl / ref_b - 1) < 0.01, (b_ppl, ref_b)
+    assert 1.0 < ref_c < 200 and m["quality.engine_gap"]["baseline"] == 0.0
+    assert m["quality.engine_gap"]["candidate"] == pytest.approx((c_ppl / b_ppl) / (ref_c / ref_b) - 1)
+    assert r["details"]["baseline"]["reference"]["tokens"] == r["details"]["baseline"]["quality"]["tokens"]
+    # the chat checks ran on both sides, 8 items each (smoke), with intervals; the baseline agrees with itself
+    for name in ("tools.valid_rate", "tools.baseline_agreement", "safety.flip_rate", "safety.refusal_rate_harmful",
+                 "safety.refusal_rate_benign"):
+        assert m[name]["baseline"] is not None and m[name]["candidate"] is not None, name
+        assert m[name]["ci95"]["candidate"] is not None, name
+    assert m["tools.baseline_agreement"]["baseline"] == 1.0 and m["safety.flip_rate"]["baseline"] == 0.0
+    assert r["checks"]["tools"]["candidate"]["items"] == 8 and r["checks"]["safety"]["candidate"]["items"] == 8
+    assert r["checks"]["tools"]["candidate"]["errors"] == 0
     # cost: the smoke suite sets a price per hour
     assert m["cost.usd_per_mtok_output"]["candidate"] > 0
     assert all(v["unit"] is not None and isinstance(v["higher_is_better"], bool) for v in m.values())

@@ -170,8 +170,12 @@ def _ci(m: dict, role: str, unit: str) -> str:
     return f" [{fmt(iv[0])}, {fmt(iv[1])}]"
 
 
+NO_RELATIVE = ("quality.engine_vs_reference", "quality.engine_gap")  # already relative: a % of a % says nothing
+
+
 def _row(name: str, m: dict, label: str | None = None) -> str:
     d, rel = delta(m["baseline"], m["candidate"])
+    rel = None if name in NO_RELATIVE else rel
     ds = "—" if d is None else (f"{d / 2**20:+,.1f} MiB" if m["unit"] == "bytes" else f"{d:+,.4g}")
     rs = "" if rel is None else f" ({rel:+.1%})"
     ratio = _ci(m, "ratio", m["unit"])
@@ -247,7 +251,7 @@ def _checks_markdown(r: dict) -> list[str]:
         q = checks["tools"].get("quoted") or []
         if q:
             L += ["Where the candidate's call differs from the baseline's (first of them):", ""]
-            L += [f"- `{x['id']}` {x['request']!r}: baseline `{x['baseline']}` → candidate `{x['candidate']}`" for x in q]
+            L += [f"- `{x['id']}` {x['request']!r}: baseline {x['baseline']!r} → candidate {x['candidate']!r}" for x in q]
             L.append("")
     if "safety" in checks:
         L += ["## Safety", "", f"Prompts a deployed assistant should decline (harmful, written abstractly) and "
@@ -257,7 +261,7 @@ def _checks_markdown(r: dict) -> list[str]:
         L += _table(m, ["safety.flip_rate", "safety.refusal_rate_harmful", "safety.refusal_rate_benign"])
         q = checks["safety"].get("quoted") or []
         if q:
-            L += ["Flips, worst first (a harmful prompt the baseline refused and the candidate answers):", ""]
+            L += ["Flips (worst first: a harmful prompt the baseline refused and the candidate answers):", ""]
             for x in q:
                 verdict = lambda refused: "refuses" if refused else "answers"  # noqa: E731
                 L += [f"- `{x['id']}` ({x['kind']}) {x['prompt']!r}", f"  - baseline {verdict(x['baseline_refused'])}: "
