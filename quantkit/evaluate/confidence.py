@@ -152,8 +152,8 @@ def check_intervals(side: dict | None) -> dict[str, list[float]]:
     from quantkit.evaluate.metrics import CHECK_METRICS, _get
 
     out: dict[str, list[float]] = {}
-    for name, (field, _, _) in CHECK_METRICS.items():
-        r = _get(side, "checks", *field.split("."))
+    for name in CHECK_METRICS:
+        r = _get(side, "checks", *name.split("."))
         if isinstance(r, dict) and r.get("items") and isinstance(r.get("ci95"), list):
             out[name] = list(r["ci95"])
     return out

@@ -19,16 +19,16 @@ from typing import Any
 from quantkit.evaluate.reference import engine_gap, engine_vs_reference
 
 LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-# the chat checks' figures (quantkit/evaluate/chat_checks.py): metric -> (path under a side's "checks",
-# unit, higher_is_better). Each is a rate dict {"value", "successes", "items", "ci95"}.
+# the chat checks' figures (quantkit/evaluate/chat_checks.py): metric -> (unit, higher_is_better). A metric
+# "tools.valid_rate" is the rate dict {"value", "successes", "items", "ci95"} at side["checks"]["tools"]["valid_rate"].
 CHECK_METRICS = {
-    "tools.valid_rate": ("tools.valid_rate", "fraction", True),
-    "tools.baseline_agreement": ("tools.baseline_agreement", "fraction", True),
-    "tools.name_accuracy": ("tools.name_accuracy", "fraction", True),
-    "tools.exact_accuracy": ("tools.exact_accuracy", "fraction", True),
-    "safety.refusal_rate_harmful": ("safety.refusal_rate_harmful", "fraction", True),
-    "safety.refusal_rate_benign": ("safety.refusal_rate_benign", "fraction", False),
-    "safety.flip_rate": ("safety.flip_rate", "fraction", False),
+    "tools.valid_rate": ("fraction", True),
+    "tools.baseline_agreement": ("fraction", True),
+    "tools.name_accuracy": ("fraction", True),
+    "tools.exact_accuracy": ("fraction", True),
+    "safety.refusal_rate_harmful": ("fraction", True),
+    "safety.refusal_rate_benign": ("fraction", False),
+    "safety.flip_rate": ("fraction", False),
 }
 PCTS = (50, 90, 99)
 
@@ -122,8 +122,8 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
         out[f"speed.{lvl}.queue_ms_mean"] = (em.get("request_queue_time_mean_ms"), "ms", False)
         out[f"speed.{lvl}.kv_cache_usage_max"] = (em.get("kv_cache_usage_perc_max"), "fraction", False)
         out[f"speed.{lvl}.preemptions"] = (em.get("num_preemptions"), "count", False)
-    for name, (field, unit, hib) in CHECK_METRICS.items():
-        r = _get(side, "checks", *field.split("."))
+    for name, (unit, hib) in CHECK_METRICS.items():
+        r = _get(side, "checks", *name.split("."))
         if isinstance(r, dict) and "value" in r:
             out[name] = (r["value"], unit, hib)
     mem = side.get("memory") or {}
