@@ -6,6 +6,7 @@
     evaluate(artifact, ...)      quantkit.evaluate.run_eval: baseline and candidate in the engine
     gate(report)                 quantkit.gates.run_gates: the recipe's thresholds on a report
     publish / promote / rollback / pull    quantkit.registry
+    tune(study)                  quantkit.tune: a matrix of recipes and engine settings -> the cheapest passing cell
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from quantkit.convert import convert, default_output, partial_dir  # noqa: F401 
 from quantkit.evaluate import run_eval as evaluate  # noqa: F401
 from quantkit.gates import run_gates as gate  # noqa: F401
 from quantkit.registry import promote, publish, pull, rollback  # noqa: F401
+from quantkit.tune import tune  # noqa: F401
 
 
 def inspect(folder: str | Path) -> dict:

@@ -223,6 +223,15 @@ def test_cost_formula():
     assert c["level"] == "c4"
     assert c["usd_per_mtok_output"] == pytest.approx(0.001 / 36.0 * 1e6)
     assert c["usd_per_k_successful_tasks"] == pytest.approx(1000 * 0.001 / 2.0 / 0.8)
+    # tool calls exactly right are successful tasks too: (8 + 3) of (10 + 10) items
+    side["checks"] = {"tools": {"exact_accuracy": {"value": 0.3, "successes": 3, "items": 10}},
+                      "safety": {"flip_rate": {"value": 0.0, "successes": 0, "items": 10}}}
+    c = cost_figures(side, price_per_hour=3.6)
+    assert (c["success_rate"], c["successes"], c["items"]) == (pytest.approx(11 / 20), 11, 20)
+    assert c["usd_per_k_successful_tasks"] == pytest.approx(1000 * 0.001 / 2.0 / (11 / 20))
+    # the same figure as price x wall time / successful tasks: 100 requests at 2 req/s take 50 s
+    wall_s, successes = 100 / 2.0, 100 * 11 / 20
+    assert c["usd_per_k_successful_tasks"] == pytest.approx(1000 * 3.6 / 3600 * wall_s / successes)
 
 
 def test_metrics_contract_and_report_rendering(tmp_path):

@@ -5,6 +5,7 @@ function a Python user would call), each adding its commands with `register(app)
     convert.py   convert, inspect, capability, recipes list|validate|corpora, models fetch
     evaluate.py  eval
     registry.py  gate, publish, promote, rollback, registry list|show|pull
+    tune.py      tune
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli import convert, evaluate, registry
+from quantkit.cli import convert, evaluate, registry, tune
 from quantkit.cli.common import BoundaryGroup
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=BoundaryGroup,
@@ -28,7 +29,7 @@ def _root(ctx: typer.Context,
     ctx.obj = {"debug": debug}
 
 
-for _group in (convert, evaluate, registry):
+for _group in (convert, evaluate, registry, tune):
     _group.register(app)
 
 

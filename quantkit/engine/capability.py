@@ -52,3 +52,22 @@ def artifact_can_run(model_dir, device: str = "cpu") -> tuple[bool, str]:
         if not ok:
             return False, f"{name}: {why}"
     return True, ""
+
+
+def recipe_can_run(recipe, device: str = "cpu") -> tuple[bool, str]:
+    """(ok, reason) decided from a recipe's schemes, before anything is converted: what `quantkit tune`
+    asks before spending a conversion on a cell this machine could not serve."""
+    from quantkit.schemes import get_scheme
+
+    for i, stage in enumerate(recipe.stages):
+        name = getattr(stage, "scheme", None)
+        if not name:
+            continue  # a transform: it quantizes nothing itself
+        sch = get_scheme(name)
+        acts = sch.activations
+        ok, why = engine_can_run({"type": sch.weights.type, "num_bits": sch.weights.num_bits,
+                                  "input_activations": {"type": acts.type, "num_bits": acts.num_bits} if acts else None},
+                                 device)
+        if not ok:
+            return False, f"stages[{i}] ({name}): {why}"
+    return True, ""

@@ -7,9 +7,11 @@ and so does quality.engine_gap (0 for the baseline; quantkit/evaluate/reference.
 Cost (with a price per hour) is taken at the load level with the highest output throughput of that
 model, and:
 - usd_per_mtok_output = price_per_hour / 3600 / output_tok_s * 1e6
-- usd_per_k_successful_tasks = 1000 * price_per_hour / 3600 / requests_s / task_success_rate,
-  i.e. the cost of serving one request at that level divided by the share of lm-eval items the
-  model got right (pooled over all task items): what a thousand *useful* answers cost.
+- usd_per_k_successful_tasks = 1000 * price_per_hour / 3600 / requests_s / success_rate,
+  i.e. the cost of serving one request at that level divided by the share of useful answers:
+  price x wall time / successful tasks, per thousand. A successful task is an lm-eval item answered
+  right or a tool call exactly right (tools.exact_accuracy), pooled over all of them (success_rate);
+  safety prompts are not tasks and do not count.
 """
 
 from __future__ import annotations
@@ -69,6 +71,17 @@ def task_success_rate(tasks: dict | None) -> float | None:
     return sum(r["successes"] for r in rows.values()) / items if items else None
 
 
+def success_rate(side: dict | None) -> tuple[float | None, int, int]:
+    """(rate, successes, items) pooled over the lm-eval items and the tool-call requests (exact calls)."""
+    rows = _get(side, "tasks", "tasks") or {}
+    ok = sum(r["successes"] for r in rows.values())
+    n = sum(r["items"] for r in rows.values())
+    tools = _get(side, "checks", "tools", "exact_accuracy")
+    if isinstance(tools, dict) and tools.get("items"):
+        ok, n = ok + int(tools["successes"]), n + int(tools["items"])
+    return (ok / n if n else None), ok, n
+
+
 def peak_level(speed: dict | None) -> str | None:
     levels = [(v.get("output_tok_s") or 0.0, k) for k, v in (speed or {}).items()]
     return max(levels)[1] if levels and max(levels)[0] > 0 else None
@@ -83,7 +96,8 @@ def cost_figures(side: dict | None, price_per_hour: float | None) -> dict:
     s = side["speed"][lvl]
     per_s = price_per_hour / 3600.0
     out = {"level": lvl, "usd_per_mtok_output": per_s / s["output_tok_s"] * 1e6 if s.get("output_tok_s") else None}
-    rate = task_success_rate(side.get("tasks"))
+    rate, ok, n = success_rate(side)
+    out.update(success_rate=rate, successes=ok, items=n)
     out["usd_per_k_successful_tasks"] = (1000 * per_s / s["requests_s"] / rate
                                          if s.get("requests_s") and rate else None)
     return out

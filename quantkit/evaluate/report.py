@@ -106,6 +106,7 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
                               for role, side in (("baseline", baseline), ("candidate", candidate)) if side},
         "checks": _checks_summary(baseline, candidate),
         "variants": [_strip_records(v) for v in variants],
+        "carried_over": context.get("carried_over"),
         "details": {"baseline": _strip_records(baseline), "candidate": _strip_records(candidate)},
         "wall_s": context.get("wall_s"),
     }
@@ -281,7 +282,11 @@ def render_markdown(r: dict) -> str:
          f"max_model_len {eng.get('max_model_len')}, KV cache {eng.get('kv_cache_gib')} GiB, extra args {eng.get('engine_args') or {}}",
          f"- hardware: {hw.get('cpu')}, {hw.get('cpu_count')} cores, CPU flags {' '.join(hw.get('cpu_flags') or []) or 'n/a'}, "
          f"{hw.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU {hw.get('gpu') or 'none'}",
-         f"- suite `{r['suite']['suite']}`; eval wall time {r.get('wall_s') or 0:.0f} s; report schema {r['schema']}", "",
+         f"- suite `{r['suite']['suite']}`; eval wall time {r.get('wall_s') or 0:.0f} s; report schema {r['schema']}"]
+    if r.get("carried_over"):
+        L.append(f"- a serving variant: speed and memory measured under these engine settings; "
+                 f"{r['carried_over']['what']} carried over from `{r['carried_over']['from']}`")
+    L += ["",
          "↑ higher is better, ↓ lower is better. Δ% is relative to the baseline.", "", "## Quality", ""]
     L += _table(m, ["quality.perplexity", "quality.reference_perplexity", "quality.engine_vs_reference",
                     "quality.engine_gap", "quality.top1_agreement", "quality.kl_mean", "quality.kl_p99"],

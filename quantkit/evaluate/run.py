@@ -100,12 +100,7 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
     if tok_dir is None:
         raise QuantkitError("a local tokenizer is needed: pass the artifact folder or --baseline")
     tokenizer = load_tokenizer(tok_dir)
-    ppl_files = [resolve_file(f) for f in spec.perplexity_files]
-    stream = [t for f in ppl_files for t in tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]]
-    w = spec.workload
-    items = build_workload(stream, w.num_requests, w.prompt_tokens, w.output_tokens, w.seed)
-    half = len(stream) // 2  # warm-up prompts from another part of the text than the measured ones
-    warmup = build_workload(stream[half:] + stream[:half], w.warmup_requests, w.prompt_tokens, w.output_tokens, w.seed + 7)
+    ppl_files, items, warmup = _workload(spec, tokenizer)
 
     sides = []
     if not skip_baseline and (baseline is not None or baseline_url):
@@ -159,6 +154,69 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
     shutil.rmtree(output / "cache", ignore_errors=True)
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
     return output
+
+
+def _workload(spec: EvalSpec, tokenizer) -> tuple[list[Path], list, list]:
+    """(perplexity files, measured speed requests, warm-up requests): the seeded workload is cut from the
+    perplexity texts, so every eval of the same suite sends the same prompts."""
+    ppl_files = [resolve_file(f) for f in spec.perplexity_files]
+    stream = [t for f in ppl_files for t in tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]]
+    w = spec.workload
+    items = build_workload(stream, w.num_requests, w.prompt_tokens, w.output_tokens, w.seed)
+    half = len(stream) // 2  # warm-up prompts from another part of the text than the measured ones
+    warmup = build_workload(stream[half:] + stream[:half], w.warmup_requests, w.prompt_tokens, w.output_tokens, w.seed + 7)
+    return ppl_files, items, warmup
+
+
+def run_serving_variant(artifact: Path, spec: EvalSpec, engine_args: dict, quality_report: Path, output: Path,
+                        progress: Callable[[str], None] = print) -> Path:
+    """The artifact served with other engine settings, as a full report in `output`; returns its report.json.
+
+    Speed and memory are measured anew with `engine_args` added to the suite's (the candidate only: one
+    engine start); quality, tasks and chat checks are carried over from `quality_report`, an eval of the
+    same artifact with the same suite. Engine settings (prefix caching, batch limits, KV-cache size) decide
+    how requests are scheduled and cached, not what the model computes; the report names where its quality
+    figures came from ("carried_over")."""
+    import json
+
+    from quantkit.evaluate.report import write_report
+
+    t_start = time.perf_counter()
+    artifact, quality_report, output = (Path(p).expanduser().resolve() for p in (artifact, quality_report, output))
+    base = json.loads(quality_report.read_text(encoding="utf-8"))
+    if Path((base.get("artifact") or {}).get("path") or "").resolve() != artifact:
+        raise QuantkitError(f"{quality_report} is the report of {base.get('artifact', {}).get('path')}, not of "
+                            f"{artifact}: a serving variant carries over the quality of its own artifact's eval")
+    same = {k: v for k, v in spec.model_dump(mode="json").items() if k != "engine_args"}
+    theirs = {k: v for k, v in (base.get("suite") or {}).items() if k != "engine_args"}
+    if same != theirs:
+        diff = sorted(k for k in set(same) | set(theirs) if same.get(k) != theirs.get(k))
+        raise QuantkitError(f"{quality_report} was measured with another suite (differs in {', '.join(diff)}); "
+                            "re-run its eval with this suite first")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(lock_beside(output), f"an eval into {output}"):
+        stop_stale_engines(output)
+        if output.exists():
+            shutil.rmtree(output)
+        output.mkdir(parents=True)
+        tokenizer = load_tokenizer(artifact)
+        _, items, warmup = _workload(spec, tokenizer)
+        side = _Side("candidate", artifact, None)
+        progress(f"[candidate] engine args {engine_args}: speed and memory (quality from {quality_report})")
+        _measure(side, spec, output, tokenizer, artifact, items, warmup, None, None, progress,
+                 extra_args=engine_args, speed_only=True)
+        details = base["details"]
+        cand = {**details["candidate"], **{k: side.data[k] for k in ("engine", "speed", "memory", "timings")}}
+        suite = {**base["suite"], "engine_args": {**(base["suite"].get("engine_args") or {}), **engine_args}}
+        context = {"artifact": base["artifact"], "baseline": base["baseline"], "suite": suite, "hardware": hardware(),
+                   "wall_s": time.perf_counter() - t_start, "workload_items": (base.get("workload") or {}).get("items"),
+                   "carried_over": {"from": str(quality_report),
+                                    "what": "quality, tasks, chat checks and the reference column (candidate); "
+                                            "the whole baseline"}}
+        write_report(output, context, details.get("baseline"), cand, [])
+        shutil.rmtree(output / "cache", ignore_errors=True)
+    progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
+    return output / "report.json"
 
 
 def _restore_cached_windows(side: _Side, spec: EvalSpec, ppl_files: list[Path], tokenizer) -> None:
@@ -293,4 +351,4 @@ def _quality(side: _Side, spec: EvalSpec, ep, tokenizer, base_quality, progress)
     return out
 
 
-__all__ = ["run_eval", "EngineError"]
+__all__ = ["run_eval", "run_serving_variant", "EngineError"]

@@ -42,8 +42,10 @@ def parse_suite(data: object, source: str, label: str | None = None) -> EvalSpec
         raise RecipeError(format_errors(exc, source)) from None
 
 
-def load_suite(suite: str | Path | None, manifest: dict | None = None) -> EvalSpec:
-    """The EvalSpec to run (see the module docstring for the order)."""
+def load_suite(suite: str | Path | EvalSpec | None, manifest: dict | None = None) -> EvalSpec:
+    """The EvalSpec to run (see the module docstring for the order); an EvalSpec is taken as it is."""
+    if isinstance(suite, EvalSpec):
+        return suite
     if suite is not None:
         path = Path(suite).expanduser()
         if not path.is_file():
