@@ -245,3 +245,11 @@ def test_recommendation_cheapest_passing_and_reasons():
     assert "no cell finished" in recommend([{"id": "x", "status": "skipped", "reason": "no kernel"}])["reason"]
     unpriced = recommend([_rec("a", 1.0, None, 9)])
     assert unpriced["id"] is None and "cost per successful task" in unpriced["reason"]
+
+
+def test_the_shipped_study_expands_to_six_cells():
+    st = load_study(ROOT / "studies" / "smollm2-tune.yaml")
+    assert [c.id for c in st.cells] == ["base", "method=w8a8-smoothquant", "method=w4a16-gptq", "method=fp8",
+                                        "engine=prefix-caching", "engine=max-seqs-2"]
+    assert not st.invalid and st.eval.price_per_hour == 0.10
+    assert {c.recipe.publish.name for c in st.cells} == {"smollm2-135m-tuned"}
