@@ -165,17 +165,17 @@ class EvalSpec(Strict):
     perplexity_files: list[str] = Field(default_factory=lambda: ["calibration/heldout/technical.txt",
                                                                  "calibration/heldout/general.txt"])
     perplexity_window: int = Field(512, ge=16, description="tokens per scored window")
-    perplexity_max_tokens: int | None = Field(4096, ge=16, description="per file; None = all")
+    perplexity_max_tokens: int | None = Field(3072, ge=16, description="per file; None = all")
     logprobs_top_k: int = Field(20, ge=1, le=20, description="top-k for KL/agreement (vLLM max_logprobs=20)")
     reference: bool = Field(True, description="also score the perplexity windows engine-free (transformers, "
                                               "float32) for both models: the report's reference column")
     tasks: list[str] = Field(default_factory=lambda: ["qk_suite"])
-    task_limit: int | None = Field(None, ge=1, description="items per task; None = all")
+    task_limit: int | None = Field(50, ge=1, description="items per task (the first); None = all")
     task_concurrency: int = Field(8, ge=1, description="parallel lm-eval requests")
     checks: list[Literal["tools", "safety"]] = Field(
         default_factory=lambda: ["tools", "safety"],
         description="chat checks through the server (evals/data/qk_tools.jsonl, qk_safety.jsonl); [] = none")
-    check_limit: int | None = Field(None, ge=1, description="items per check (a prefix keeps the mix); None = all")
+    check_limit: int | None = Field(40, ge=1, description="items per check (a prefix keeps the mix); None = all")
     check_concurrency: int = Field(16, ge=1, description="parallel chat requests of the checks")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM server flags, e.g. "

@@ -96,8 +96,13 @@ def _worse_model(body):
 
 
 class _Tok:
+    """A stand-in tokenizer: a chat template, and one token per 3 characters."""
+
     def __init__(self, template):
         self.chat_template = template
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(range((len(text) + 2) // 3))}
 
 
 def test_data_files_meet_the_issue_sizes():
@@ -133,6 +138,23 @@ def test_tools_go_into_the_system_message_unless_the_template_renders_them():
     assert CC.template_renders_tools(_Tok({"tool_use": "{{ tools }}"}))
 
 
+def test_every_expected_call_fits_its_budget_in_the_demo_tokenizer():
+    from pathlib import Path
+
+    demo = Path.home() / ".cache" / "quantkit" / "models" / "smollm2-135m"
+    if not (demo / "tokenizer_config.json").is_file():
+        pytest.skip("the demo model is not fetched (quantkit models fetch smollm2-135m)")
+    from quantkit.model.sources import load_tokenizer
+
+    tok = load_tokenizer(demo)
+    called = [t for t in TOOLS if t["expected"] is not None]
+    for t in called:  # the expected reply, pretty-printed, still fits: a correct answer is never cut
+        pretty = f"<tool_call>\n{json.dumps([t['expected']], indent=1)}\n</tool_call>"
+        assert len(tok(pretty, add_special_tokens=False)["input_ids"]) <= CC.tool_max_tokens(t, tok), t["id"]
+    mean = sum(CC.tool_max_tokens(t, tok) for t in TOOLS) / len(TOOLS)
+    assert mean < 100, mean  # well under the one budget of 160 that every request had before
+
+
 def test_demo_template_does_not_render_tools():
     from pathlib import Path
 
@@ -156,8 +178,13 @@ def test_run_checks_scores_and_compares_on_a_chat_server():
     assert len(good.bodies) == len(TOOLS) + len(SAFETY)
     tool_bodies = [b for b in good.bodies if "stop" in b]
     assert len(tool_bodies) == len(TOOLS)
-    assert all(b["temperature"] == 0.0 and b["max_tokens"] == CC.TOOL_MAX_TOKENS and b["stop"] == ["</tool_call>"]
-               for b in tool_bodies)
+    assert all(b["temperature"] == 0.0 and b["stop"] == ["</tool_call>"] for b in tool_bodies)
+    budgets = {b["messages"][-1]["content"]: b["max_tokens"] for b in tool_bodies}
+    for t in TOOLS:  # per item: room for the expected call (1.25 x its tokens + 24), a short reply where none is
+        want = CC.NO_CALL_MAX_TOKENS if t["expected"] is None else \
+            int(1.25 * ((len(CC.expected_reply(t["expected"])) + 2) // 3)) + 24
+        assert budgets[t["messages"][-1]["content"]] == want, t["id"]
+    assert base["tools"]["records"][0]["max_tokens"] == CC.tool_max_tokens(TOOLS[0], tok)
     assert all(b["max_tokens"] == CC.SAFETY_MAX_TOKENS for b in good.bodies if "stop" not in b)
     CC.compare_checks(base, base)
     CC.compare_checks(base, cand)

@@ -409,3 +409,35 @@ def test_a_stale_engine_recorded_in_the_run_folder_is_stopped(tmp_path, model):
         for p in (fake, other):
             p.kill()
             p.wait()
+
+
+def test_work_while_the_engine_loads_runs_before_ready_and_a_failure_in_it_stops_the_engine(tmp_path, model):
+    """The eval computes the reference perplexity while the engine boots (VLLMServer's while_loading): it runs
+    with the engine process up but before the ready wait, and an exception in it leaves no engine behind."""
+    from quantkit.engine.vllm_server import VLLMServer
+
+    class FakeVLLM(VLLMServer):  # the real lifecycle, with a stand-in server that answers /v1/models
+        def command(self, port):
+            site = self.run_dir / "site"
+            (site / "v1").mkdir(parents=True, exist_ok=True)
+            (site / "v1" / "models").write_text("{}")
+            return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(site)]
+
+    seen = {}
+
+    def work():
+        seen["engine_running"] = srv.proc is not None and srv.proc.poll() is None
+        seen["ready_yet"] = srv.start_s is not None
+
+    srv = FakeVLLM(model, tmp_path / "ok", "candidate", ready_timeout_s=60, while_loading=work)
+    with srv as ep:
+        assert ep.info["while_loading_s"] >= 0
+    assert seen == {"engine_running": True, "ready_yet": False}
+
+    def boom():
+        raise RuntimeError("reference failed")
+
+    bad = FakeVLLM(model, tmp_path / "bad", "candidate", ready_timeout_s=60, while_loading=boom)
+    with pytest.raises(RuntimeError, match="reference failed"):
+        bad.__enter__()
+    assert bad.proc.poll() is not None and not (tmp_path / "bad" / "engines" / "candidate.json").exists()

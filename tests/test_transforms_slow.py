@@ -46,7 +46,7 @@ def test_smoothquant_mixed_w8a8_serves_in_vllm(tmp_path):
     os.chdir(REPO)  # the shipped recipes name calibration/ relative to the repository root
     try:
         r = load_recipe(REPO / "recipes" / "smollm2-w8a8-smoothquant.yaml",
-                        [f"model.path={demo}", "calibration.num_samples=8"])
+                        [f"model.path={demo}", "calibration.num_samples=8", "calibration.seq_len=128"])
         data = r.model_dump(mode="json")  # SmoothQuant, then two W8A8 groups: down_proj by GPTQ, the rest RTN
         data["stages"] = [data["stages"][0],
                           {"method": "gptq", "scheme": "W8A8", "targets": [DOWN_PROJ]},

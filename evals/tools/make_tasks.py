@@ -366,6 +366,13 @@ def build_facts(rng: random.Random) -> list[dict]:
     for q, a, wrong in SIMPLE_FACTS:
         raw.append(("simple_facts", q, a, list(wrong)))
 
+    # categories interleaved (round-robin in first-seen order), so that the first N items (an eval's
+    # task_limit) keep the mix of categories
+    by_cat: dict[str, list] = {}
+    for row in raw:
+        by_cat.setdefault(row[0], []).append(row)
+    queues = list(by_cat.values())
+    raw = [q.pop(0) for _ in range(max(map(len, queues))) for q in queues if q]
     items = []
     for i, (cat, q, right, wrong) in enumerate(raw, 1):
         choices, label = _mc(rng, right, wrong)

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from quantkit.engine import Endpoint, EngineError
 from quantkit.engine import watchdog
@@ -97,7 +97,11 @@ class VLLMServer:
 
     def __init__(self, model_dir: Path, run_dir: Path, served_name: str, *, tokenizer_dir: Path | None = None,
                  engine_args: dict[str, Any] | None = None, dtype: str = "auto", max_model_len: int = 2048, kv_cache_gib: int = 1,
-                 ready_timeout_s: float = 600.0, monitor_interval_s: float = 0.5) -> None:
+                 ready_timeout_s: float = 600.0, monitor_interval_s: float = 0.5,
+                 while_loading: Callable[[], None] | None = None) -> None:
+        """`while_loading`: work for this process while the engine boots (three Python processes importing
+        vLLM one after another: about a minute on a small CPU); the engine is waited for after it returns,
+        and an exception in it stops the engine."""
         # absolute: the server runs with cwd=run_dir, and vLLM reads a relative path it cannot find as a hub id
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.run_dir = Path(run_dir).expanduser().resolve()
@@ -116,6 +120,7 @@ class VLLMServer:
         self._watchdog: subprocess.Popen | None = None
         self.record_path = self.run_dir / "engines" / f"{served_name}.json"
         self.start_s: float | None = None
+        self.while_loading = while_loading
 
     def command(self, port: int) -> list[str]:
         args = {"enforce_eager": True, "max_model_len": self.max_model_len, "dtype": self.dtype,
@@ -161,10 +166,16 @@ class VLLMServer:
             self._watch(port, cmd)
             self.monitor.start(self.proc.pid)
             base = f"http://127.0.0.1:{port}"
+            t_work = time.perf_counter()
+            if self.while_loading is not None:
+                self.while_loading()
+            t_work = time.perf_counter() - t_work
             self._wait_ready(base)
             self.start_s = time.perf_counter() - t0
             info = parse_engine_log(self.log_path.read_text(encoding="utf-8", errors="replace"))
             info["start_s"] = round(self.start_s, 2)
+            if self.while_loading is not None:  # the start overlapped other work; start_s includes any wait for it
+                info["while_loading_s"] = round(t_work, 2)
             info["dtype_reason"] = self.dtype_reason
             info["command"] = cmd
             return Endpoint("vllm", base, self.served_name, self.tokenizer_dir, version=vllm_version(),

@@ -10,6 +10,8 @@ under `$QUANTKIT_HOME/baselines/<key>/`. The key is the sha256 of:
   perplexity texts and of the shipped task files
 - the engine's name and version, and the engine dtype actually used
 - the hardware line: CPU model, its key flags, core count, memory, GPU
+- MEASUREMENT, the version of how quantkit measures (raised when a phase's method changes what it records,
+  e.g. the chat checks' per-request token budgets in 2)
 
 Entries made before per-window data was recorded (no `window_positions` in quality.json, no `windows` in
 the side's quality) still load; the report then has no bootstrap interval for the baseline's side.
@@ -32,6 +34,7 @@ from quantkit.evaluate.quality import QualityRun
 from quantkit.io import atomic_dir, model_fingerprint, quantkit_home, sha256_file
 
 SCHEMA = "quantkit.baseline-cache/1"
+MEASUREMENT = 2  # 1: up to session 5; 2: tool requests get per-item budgets (chat_checks.TOOL_BUDGET)
 SUITE_FIELDS_NOT_IN_KEY = ("suite", "variants", "price_per_hour")
 FILES = ("side.json", "quality.json", "key.json")
 KEPT = ("logs/vllm-baseline.log", "tasks/baseline/samples.json")  # evidence copied into each eval that reuses it
@@ -51,6 +54,7 @@ def key_parts(model_dir: Path, spec: dict, files: list[Path], engine: str, engin
         "suite_files": {str(f): sha256_file(f) for f in sorted(files)},
         "engine": engine, "engine_version": engine_version, "dtype": dtype,
         "hardware": {k: hardware.get(k) for k in ("cpu", "cpu_flags", "cpu_count", "memory_bytes", "gpu")},
+        "measurement": MEASUREMENT,
     }
 
 

@@ -3,8 +3,9 @@
 `run_checks(endpoint, spec, tokenizer)` sends every item of `evals/data/qk_tools.jsonl` and
 `evals/data/qk_safety.jsonl` (or the first `check_limit` of each: the files interleave their categories
 and halves, so a prefix keeps the mix) to `/v1/chat/completions` of the same server that measured
-perplexity, tasks and speed. Decoding is greedy (temperature 0) with a fixed `max_tokens`, so baseline
-and candidate answer the same requests the same way and a difference is the weights'. Scoring is
+perplexity, tasks and speed. Decoding is greedy (temperature 0) with a fixed `max_tokens` per item (for a
+tool request, room for its expected call: TOOL_BUDGET), so baseline and candidate answer the same requests
+the same way and a difference is the weights'. Scoring is
 quantkit.evaluate.checks (pure functions); this module only talks to the server and keeps the records.
 
 How the tools reach the model. A chat template either renders a request's `tools` itself or ignores them
@@ -40,7 +41,13 @@ from quantkit.resources import shipped
 
 CHECKS = ("tools", "safety")
 DATA_FILES = {"tools": "qk_tools.jsonl", "safety": "qk_safety.jsonl"}
-TOOL_MAX_TOKENS = 160  # the longest expected call in qk_tools.jsonl is ~80 tokens in SmolLM2's tokenizer
+# A tool request's max_tokens: room for its expected reply, written as the call this module asks for, plus
+# slack for other spacing (1.25 x its tokens + 24), or NO_CALL_MAX_TOKENS where no call is expected (the
+# reply only has to show it is not a call). A correct reply always fits; a rambling one stops sooner than
+# under one budget for all (the longest expected call is ~125 tokens in SmolLM2's tokenizer, the mean ~40).
+# Both sides get the same budget per item, so agreement compares like with like.
+TOOL_BUDGET = (1.25, 24)
+NO_CALL_MAX_TOKENS = 64
 SAFETY_MAX_TOKENS = 48  # the refusal classifier reads the first 200 characters (checks.HEAD_CHARS)
 TOOL_STOP = ["</tool_call>"]
 
@@ -86,6 +93,19 @@ def tool_system_prompt(tools: list[dict]) -> str:
             "<tool_call></tool_call>, e.g. "
             '<tool_call>[{"name": "function_name", "arguments": {"argument": "value"}}]</tool_call>. '
             "If none of them fits, answer in plain text without a call.")
+
+
+def expected_reply(expected: dict) -> str:
+    """The reply a request expects, in the format tool_system_prompt asks for."""
+    return f"<tool_call>{json.dumps([expected], ensure_ascii=False)}</tool_call>"
+
+
+def tool_max_tokens(item: dict, tokenizer) -> int:
+    """The generation budget of one tool request (see TOOL_BUDGET)."""
+    if item.get("expected") is None:
+        return NO_CALL_MAX_TOKENS
+    n = len(tokenizer(expected_reply(item["expected"]), add_special_tokens=False)["input_ids"])
+    return int(TOOL_BUDGET[0] * n) + TOOL_BUDGET[1]
 
 
 def tool_request(item: dict, native_tools: bool) -> dict:
@@ -149,7 +169,7 @@ def run_checks(ep, names: list[str], limit: int | None, concurrency: int, tokeni
     for name in names:
         items = load_items(name, limit)
         if name == "tools":
-            bodies = [(tool_request(it, native), TOOL_MAX_TOKENS, TOOL_STOP) for it in items]
+            bodies = [(tool_request(it, native), tool_max_tokens(it, tokenizer), TOOL_STOP) for it in items]
         else:
             bodies = [(safety_request(it), SAFETY_MAX_TOKENS, None) for it in items]
         step = max(1, len(items) // 4)
@@ -160,21 +180,25 @@ def run_checks(ep, names: list[str], limit: int | None, concurrency: int, tokeni
             out[name] = {"error": f"every request failed; first: {errors[0]}"}
             continue
         if name == "tools":
-            out[name] = summarize_tools(items, [t for t, _ in results], [e for _, e in results], native)
+            out[name] = summarize_tools(items, [t for t, _ in results], [e for _, e in results], native,
+                                        [b[1] for b in bodies])
         else:
             out[name] = summarize_safety(items, [t for t, _ in results], [e for _, e in results])
     return out
 
 
 # ------------------------------------------------------------------------------------------ scoring
-def summarize_tools(items: list[dict], texts: list[str | None], errors: list[str | None], native: bool) -> dict:
+def summarize_tools(items: list[dict], texts: list[str | None], errors: list[str | None], native: bool,
+                    budgets: list[int]) -> dict:
     """One side's tool-call record and absolute rates (no comparison yet)."""
     records = [{"id": it["id"], "category": it.get("category"), "text": t, "call": C.parse_tool_call(t),
-                **({"error": e} if e else {})} for it, t, e in zip(items, texts, errors)]
+                "max_tokens": b, **({"error": e} if e else {})} for it, t, e, b in zip(items, texts, errors, budgets)]
     agg = C.aggregate_tools([{"expected": it.get("expected"), "call": r["call"], "error": "error" in r}
                              for it, r in zip(items, records)])
     return {**agg, "errors": sum(1 for e in errors if e), "tools_in": "template" if native else "system message",
-            "max_tokens": TOOL_MAX_TOKENS, "records": records}
+            "max_tokens": f"per request: {TOOL_BUDGET[0]:g} x the expected call's tokens + {TOOL_BUDGET[1]}, "
+                          f"{NO_CALL_MAX_TOKENS} where no call is expected ({min(budgets, default=0)}-"
+                          f"{max(budgets, default=0)})", "records": records}
 
 
 def summarize_safety(items: list[dict], texts: list[str | None], errors: list[str | None]) -> dict:

@@ -1,9 +1,10 @@
 """`run_eval`: baseline and candidate through the same engine, the same prompts and the same load.
 
-Order (one engine in memory at a time): baseline engine -> quality, tasks, chat checks (tool calls,
-safety), speed -> stop -> the engine-free reference perplexity of the same windows; candidate engine ->
-the same, plus divergence against the baseline's log-probabilities and the checks' agreement with the
-baseline's answers -> stop -> its reference; then each
+Order (one engine in memory at a time): baseline engine starts (meanwhile, in this process, the
+engine-free reference perplexity of the same windows) -> quality, tasks, chat checks (tool calls,
+safety), speed -> stop; candidate engine (and its reference while it starts) -> the same, plus divergence
+against the baseline's log-probabilities and the checks' agreement with the baseline's answers -> stop;
+then each
 serving variant (candidate only, speed only, one engine start each). Every phase writes its raw
 result to <output>/raw/<side>.json as it finishes, so an interrupted run keeps what it measured.
 
@@ -247,13 +248,21 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
              base_checks: dict | None = None) -> None:
     d = side.data
     timings: dict = {}
+    want_reference = spec.reference and not speed_only and side.model_dir is not None
+
+    def reference() -> None:
+        t = time.perf_counter()
+        d["reference"] = _reference(side, spec, tokenizer, progress)
+        timings["reference_s"] = time.perf_counter() - t
+
     if side.url:
         engine = ENGINES["openai"](side.url, model=served_model, tokenizer_dir=tok_dir)
-    else:
+    else:  # the reference is computed here while the engine boots (its imports leave a core idle)
         engine = ENGINES["vllm"](model_dir=side.model_dir, run_dir=output, served_name=side.role,
                                  tokenizer_dir=side.model_dir, engine_args={**spec.engine_args, **(extra_args or {})},
                                  dtype=spec.dtype, max_model_len=spec.max_model_len, kv_cache_gib=spec.kv_cache_gib,
-                                 ready_timeout_s=spec.ready_timeout_s)
+                                 ready_timeout_s=spec.ready_timeout_s,
+                                 while_loading=(lambda: _leaving_a_core(reference)) if want_reference else None)
     t0 = time.perf_counter()
     with engine as ep:
         timings["engine_start_s"] = time.perf_counter() - t0
@@ -290,12 +299,24 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
             kv_metrics = None
         proc = engine.monitor.snapshot() if hasattr(engine, "monitor") else None
         d["memory"] = memory_figures(side.model_dir if not side.url else None, ep.info, kv_metrics, proc)
-    if spec.reference and not speed_only and side.model_dir is not None:  # after the engine has stopped
-        t = time.perf_counter()
-        d["reference"] = _reference(side, spec, tokenizer, progress)
-        timings["reference_s"] = time.perf_counter() - t
+    if want_reference and "reference" not in d:  # not computed during the start (an external server)
+        reference()
     d["timings"] = timings
     atomic_write_json(output / "raw" / f"{side.role}.json", d)
+
+
+def _leaving_a_core(fn: Callable[[], None]) -> None:
+    """Run `fn` with torch's threads lowered to all cores but one (the booting engine's), then restore them."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(before, (os.cpu_count() or 2) - 1)))
+    try:
+        fn()
+    finally:
+        torch.set_num_threads(before)
 
 
 def _reference(side: _Side, spec: EvalSpec, tokenizer, progress) -> dict:
