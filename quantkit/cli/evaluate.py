@@ -20,7 +20,7 @@ from quantkit.cli.common import fail
 def eval_cmd(
     artifact: Annotated[Optional[Path], typer.Argument(help="Artifact folder (with manifest.json).")] = None,
     baseline: Annotated[Optional[Path], typer.Option("--baseline", help="Baseline model folder (default: the artifact's base model).")] = None,
-    suite: Annotated[Optional[str], typer.Option("--suite", help="A shipped suite by name (default, smoke, serving) or a YAML file; default: the recipe's eval section.")] = None,
+    suite: Annotated[Optional[str], typer.Option("--suite", help="A shipped suite by name (default, full, smoke, serving) or a YAML file; default: the recipe's eval section.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Report folder (default: <artifact>/eval).")] = None,
     candidate_url: Annotated[Optional[str], typer.Option("--candidate-url", help="Measure an already-running OpenAI-compatible server as the candidate (engine type `openai`).")] = None,
     baseline_url: Annotated[Optional[str], typer.Option("--baseline-url", help="Measure an already-running server as the baseline.")] = None,

@@ -169,12 +169,7 @@ def load_study(path: str | Path) -> Study:
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise StudyError(f"{path}: no such study file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise StudyError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise StudyError(f"{path}: a study must be a YAML mapping with name, base, price_per_hour and axes")
+    data = _raw(path, "a study must be a YAML mapping with name, base, price_per_hour and axes")
     try:
         spec = StudySpec.model_validate(data)
     except ValidationError as exc:
@@ -193,13 +188,13 @@ def _recipe_file(ref: str, study_path: Path, field_name: str) -> Path:
                          "directory) nor a shipped recipe (`quantkit recipes list`)") from None
 
 
-def _raw(path: Path) -> dict:
+def _raw(path: Path, what: str = "a recipe must be a YAML mapping") -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise StudyError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise StudyError(f"{path}: a recipe must be a YAML mapping")
+        raise StudyError(f"{path}: {what}")
     return data
 
 
