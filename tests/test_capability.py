@@ -23,6 +23,7 @@ AVX512 = AVX2 | {"avx512f", "avx512bw"}  # AVX-512 without native bf16
 W4A16 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 64, "input_activations": None}
 W8A16 = {"type": "int", "num_bits": 8, "strategy": "channel", "input_activations": None}
 W8A8 = {"type": "int", "num_bits": 8, "strategy": "channel", "input_activations": {"num_bits": 8, "dynamic": True}}
+FP8 = {"type": "float", "num_bits": 8, "strategy": "channel", "input_activations": {"num_bits": 8, "type": "float"}}
 
 
 @pytest.fixture()
@@ -53,6 +54,23 @@ def test_w8a16_never_and_w8a8_always_on_the_cpu(cpu, flags):
     assert not ok and "W8A16" in why
     assert engine_can_run(W8A8) == (True, "")
     assert engine_can_run(W4A16, device="cuda") == (True, "")  # a GPU has every kernel
+
+
+@pytest.mark.parametrize("flags", [AVX2, AMX], ids=["avx2", "amx"])
+def test_fp8_never_on_the_cpu_and_recipes_are_judged_before_converting(cpu, flags):
+    from quantkit.engine.capability import recipe_can_run
+    from quantkit.recipe import load_recipe
+
+    cpu(flags)
+    ok, why = engine_can_run(FP8)
+    assert not ok and "FP8" in why and "execute_model" in why
+    assert engine_can_run(FP8, device="cuda") == (True, "")
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    ok, why = recipe_can_run(load_recipe(recipes / "smollm2-fp8.yaml"))
+    assert not ok and why.startswith("stages[0] (FP8_DYNAMIC): ")
+    assert recipe_can_run(load_recipe(recipes / "smollm2-w8a8-smoothquant.yaml")) == (True, "")  # a transform first
+    ok, why = recipe_can_run(load_recipe(recipes / "smollm2-mixed.yaml"))  # W8A8 then W4A16
+    assert ok == ("avx512f" in flags) and (ok or why.startswith("stages[1] (W4A16): "))
 
 
 def test_eval_dtype_follows_native_bf16(cpu):

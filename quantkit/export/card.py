@@ -52,7 +52,7 @@ def gate_table(gate: dict | None) -> str:
 
 def _front_matter(man: dict) -> str:
     stages = (man.get("quantization") or {}).get("stages") or []
-    tags = ["quantkit", "compressed-tensors", "vllm"] + sorted({s.get("scheme", "").lower() for s in stages} - {""})
+    tags = ["quantkit", "compressed-tensors", "vllm"] + sorted({(s.get("scheme") or "").lower() for s in stages} - {""})
     meta: dict = {"library_name": "vllm", "tags": tags, "quantized_by": "quantkit"}
     base = (man.get("base_model") or {}).get("path", "")
     if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", base) and not base.startswith((".", "/")):

@@ -9,8 +9,10 @@ Pure functions of the cells' records (tested on recorded results, no engine):
 - latency: the slow request at peak load: end-to-end p99 at the study's peak concurrency (TTFT and TPOT
   p99 beside it);
 - memory: weight bytes and KV-cache capacity in tokens.
-The recommended cell is the cheapest finished cell that passes every gate of the base recipe (ties: the
-better perplexity ratio, then the id); when none passes, the reason says what each cell failed.
+The recommended cell is the cheapest finished cell that passes every gate of the base recipe. Costs within
+`tolerance` of the cheapest (the speed measurements' run-to-run spread: two W8A8 artifacts with the same
+kernels and shapes measured 13% apart in throughput on 2 cores) are a tie, and the tie goes to the better
+perplexity ratio, then the lower cost, then the id. When none passes, the reason says what each cell failed.
 """
 
 from __future__ import annotations
@@ -82,18 +84,27 @@ def first_failure(rec: dict) -> str:
     return "no gate failed"
 
 
-def recommend(records: list[dict]) -> dict:
-    """{"id": cheapest passing cell or None, "reason": why, "ranked": [passing ids by cost]}."""
+def recommend(records: list[dict], tolerance: float = 0.0) -> dict:
+    """{"id": the recommended cell or None, "reason": why, "ranked": [passing ids by cost], "tied": [ids within
+    the tolerance of the cheapest]}."""
     done = _done(records)
     passing = [r for r in done if (r.get("gates") or {}).get("passed")]
     priced = [r for r in passing if r["figures"].get(COST) is not None]
     if priced:
         ranked = sorted(priced, key=lambda r: (r["figures"][COST], r["figures"].get(QUALITY) or math.inf, r["id"]))
-        best = ranked[0]
-        runner = (f"; next {ranked[1]['id']} at ${ranked[1]['figures'][COST]:.4g}" if len(ranked) > 1 else "")
-        return {"id": best["id"], "ranked": [r["id"] for r in ranked],
-                "reason": f"the cheapest of {len(priced)} cell(s) passing every gate: "
-                          f"${best['figures'][COST]:.4g} per 1,000 successful tasks{runner}"}
+        floor = ranked[0]["figures"][COST]
+        tied = [r for r in ranked if r["figures"][COST] <= floor * (1 + tolerance)]
+        best = min(tied, key=lambda r: (r["figures"].get(QUALITY) or math.inf, r["figures"][COST], r["id"]))
+        cost = f"${best['figures'][COST]:.4g} per 1,000 successful tasks"
+        if len(tied) == 1:
+            runner = (f"; next {ranked[1]['id']} at ${ranked[1]['figures'][COST]:.4g}" if len(ranked) > 1 else "")
+            why = f"the cheapest of {len(priced)} cell(s) passing every gate: {cost}{runner}"
+        else:
+            why = (f"{len(tied)} of {len(priced)} cells passing every gate cost within {tolerance:.0%} of the cheapest "
+                   f"(${floor:.4g}: {', '.join(r['id'] for r in tied)}), a tie within the speed measurements' spread; "
+                   f"of those it has the best perplexity ratio ({best['figures'].get(QUALITY):.4g}), at {cost}")
+        return {"id": best["id"], "ranked": [r["id"] for r in ranked], "tied": [r["id"] for r in tied],
+                "reason": why}
     if not records:
         return {"id": None, "ranked": [], "reason": "the study has no cells"}
     if not done:

@@ -16,7 +16,7 @@ SCHEMA = "quantkit.tune/v1"
 def build(study: Study, output: Path) -> dict:
     records = load_records(study, output)
     fronts = {"cost": pareto(records, COST), "latency": pareto(records, LATENCY)}
-    rec = recommend(records)
+    rec = recommend(records, study.spec.cost_tolerance)
     hw = next((r["config"]["hardware"] for r in records if r.get("config")), None)
     engine = next((r["config"]["engine"] for r in records if r.get("config")), None)
     return {"schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -86,6 +86,8 @@ def render(d: dict) -> str:
          f"Base recipe `{d['base']}`, mode `{s['mode']}`, ${s['price_per_hour']}/hour, load: normal "
          f"concurrency {s['load']['normal']}, peak {s['load']['peak']}"
          + (f", open-loop {s['load']['rates']} req/s" if s["load"]["rates"] else "") + ".",
+         f"Costs within {s['cost_tolerance']:.0%} of the cheapest passing cell are a tie, won by the better "
+         "perplexity ratio.",
          f"Engine {d.get('engine') or '—'}; hardware {_hw(d.get('hardware'))}. Cell time, all cells: "
          f"{d['wall_s'] / 60:.1f} min.", ""]
     L += ["## Recommendation", ""]

@@ -111,6 +111,9 @@ class StudySpec(Strict):
     load: LoadSpec = Field(default_factory=LoadSpec)
     eval: dict[str, Any] = Field(default_factory=dict, description="eval fields replacing the base recipe's")
     axes: list[Axis] = Field(min_length=1)
+    cost_tolerance: float = Field(0.15, ge=0, le=1, description="costs within this fraction of the cheapest passing "
+                                  "cell are a tie (run-to-run spread of the speed measurements; 13% measured on 2 "
+                                  "cores), and the tie goes to the best perplexity ratio")
     max_cells: int = Field(24, ge=1, description="refuse a study that expands to more cells than this")
     publish_name: str | None = Field(None, pattern=LABEL, description="registered model name the recommended "
                                      "artifact is published under (default: the base recipe's publish name)")
