@@ -332,14 +332,7 @@ def test_eval_and_publish_hold_their_locks(tmp_path, model):
 ENGINE_OWNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from quantkit.engine.vllm_server import VLLMServer
-
-    class FakeVLLM(VLLMServer):  # the real lifecycle, with a stand-in server that answers /v1/models
-        def command(self, port):
-            site = self.run_dir / "site"
-            (site / "v1").mkdir(parents=True, exist_ok=True)
-            (site / "v1" / "models").write_text("{}")
-            return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(site)]
+    from _fake_engine import FakeVLLM  # the real lifecycle, with a stand-in server that answers /v1/models
 
     srv = FakeVLLM(Path(sys.argv[1]), Path(sys.argv[2]), "candidate", ready_timeout_s=60)
     ep = srv.__enter__()
@@ -368,7 +361,7 @@ def test_engine_dies_with_quantkit_under_kill_9_and_its_record_is_cleaned(tmp_pa
     script.write_text(ENGINE_OWNER)
     run_dir = tmp_path / "run"
     owner = subprocess.Popen([sys.executable, str(script), str(model), str(run_dir)], stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             text=True, env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"})
     pid, port = map(int, owner.stdout.readline().split())
     record = json.loads((run_dir / "engines" / "candidate.json").read_text())
     assert record["pid"] == pid and record["owner_pid"] == owner.pid and _alive(pid) and not _port_free(port)
@@ -414,14 +407,7 @@ def test_a_stale_engine_recorded_in_the_run_folder_is_stopped(tmp_path, model):
 def test_work_while_the_engine_loads_runs_before_ready_and_a_failure_in_it_stops_the_engine(tmp_path, model):
     """The eval computes the reference perplexity while the engine boots (VLLMServer's while_loading): it runs
     with the engine process up but before the ready wait, and an exception in it leaves no engine behind."""
-    from quantkit.engine.vllm_server import VLLMServer
-
-    class FakeVLLM(VLLMServer):  # the real lifecycle, with a stand-in server that answers /v1/models
-        def command(self, port):
-            site = self.run_dir / "site"
-            (site / "v1").mkdir(parents=True, exist_ok=True)
-            (site / "v1" / "models").write_text("{}")
-            return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(site)]
+    from _fake_engine import FakeVLLM
 
     seen = {}
 
