@@ -65,17 +65,20 @@ def recovery(metric: dict) -> float | None:
     return b / c if c else None
 
 
-def task_success_rate(tasks: dict | None) -> float | None:
+def _task_counts(tasks: dict | None) -> tuple[int, int]:
+    """(successes, items) pooled over every lm-eval task."""
     rows = (tasks or {}).get("tasks") or {}
-    items = sum(r["items"] for r in rows.values())
-    return sum(r["successes"] for r in rows.values()) / items if items else None
+    return sum(r["successes"] for r in rows.values()), sum(r["items"] for r in rows.values())
+
+
+def task_success_rate(tasks: dict | None) -> float | None:
+    ok, items = _task_counts(tasks)
+    return ok / items if items else None
 
 
 def success_rate(side: dict | None) -> tuple[float | None, int, int]:
     """(rate, successes, items) pooled over the lm-eval items and the tool-call requests (exact calls)."""
-    rows = _get(side, "tasks", "tasks") or {}
-    ok = sum(r["successes"] for r in rows.values())
-    n = sum(r["items"] for r in rows.values())
+    ok, n = _task_counts((side or {}).get("tasks"))
     tools = _get(side, "checks", "tools", "exact_accuracy")
     if isinstance(tools, dict) and tools.get("items"):
         ok, n = ok + int(tools["successes"]), n + int(tools["items"])
