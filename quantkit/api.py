@@ -7,6 +7,7 @@
     gate(report)                 quantkit.gates.run_gates: the recipe's thresholds on a report
     publish / promote / rollback / pull    quantkit.registry
     tune(study)                  quantkit.tune: a matrix of recipes and engine settings -> the cheapest passing cell
+    sensitivity(recipe, budget)  quantkit.tune.sensitivity: per-module sensitivity -> a mixed-precision recipe
 """
 
 from __future__ import annotations
@@ -59,3 +60,19 @@ def capability(artifacts: list[str | Path] = ()) -> dict:
         ok, reason = artifact_can_run(path, device)
         out["artifacts"][str(path)] = {"servable": ok, "reason": reason or "every config group has a kernel here"}
     return out
+
+
+def sensitivity(recipe: str | Path, budget: str, output: str | Path | None = None, high: str = "W8A8",
+                validate: int = 16, latency_from: list[str | Path] | None = None,
+                latency_metric: str = "speed.c1.tpot_ms_p50", overrides: list[str] | None = None,
+                device: str = "auto", progress=None) -> dict:
+    """Rank the recipe's fused module groups by sensitivity and write a mixed-precision recipe meeting `budget`
+    (quantkit.tune.sensitivity.run). Default folder: runs/sensitivity/<recipe name>."""
+    from quantkit.recipe import load_recipe
+    from quantkit.tune import sensitivity as sens
+
+    r = load_recipe(recipe, overrides or [])
+    out = Path(output).expanduser().resolve() if output else (Path("runs") / "sensitivity" / r.name).resolve()
+    return sens.run(r, budget, out, high=high, validate=validate,
+                    latency_from=[Path(p) for p in latency_from] if latency_from else None,
+                    latency_metric=latency_metric, device=device, progress=progress)

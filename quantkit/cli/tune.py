@@ -5,6 +5,10 @@ Examples:
     quantkit tune studies/smollm2-tune.yaml --list          # the cells it expands to, and their state
     quantkit tune studies/smollm2-tune.yaml --cell method=w4a16-gptq --rerun     # one cell again
     quantkit tune studies/smollm2-tune.yaml --publish       # ... and publish the recommended artifact
+    quantkit sensitivity recipes/smollm2-w4a16-gptq.yaml --budget size=1.0x     # mixed precision, same size
+    quantkit sensitivity recipes/smollm2-w4a16-gptq.yaml --budget kl=0.05 --high none
+    quantkit sensitivity recipes/smollm2-w4a16-gptq.yaml --budget tpot=20ms \
+        --latency-from runs/smollm2-w4a16-gptq/eval/report.json --latency-from runs/smollm2-w8a8-rtn/eval/report.json
 """
 
 from __future__ import annotations
@@ -54,6 +58,37 @@ def tune_cmd(
         raise typer.Exit(1)
 
 
+def sensitivity_cmd(
+    recipe: Annotated[str, typer.Argument(help="The uniform low-bit recipe (one rtn or gptq stage), file or shipped name.")],
+    budget: Annotated[str, typer.Option("--budget", help="kl=<predicted KL>, size=<80MB | 1.05x the uniform checkpoint> or tpot=<ms>.")],
+    high: Annotated[str, typer.Option("--high", help="Scheme for the modules kept high: W8A8, or none (the model dtype).")] = "W8A8",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder (default: runs/sensitivity/<recipe name>).")] = None,
+    validate: Annotated[int, typer.Option("--validate", min=0, help="Units whose full-model KL checks the proxy (0: none; a kl budget needs some).")] = 16,
+    latency_from: Annotated[Optional[list[Path]], typer.Option("--latency-from", help="quantkit eval report(s) with the engine's TPOT at both ends (see docs).")] = None,
+    latency_metric: Annotated[str, typer.Option("--latency-metric", help="The report metric a tpot budget reads.")] = "speed.c1.tpot_ms_p50",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
+    json_out: JsonOut = False,
+) -> None:
+    """Rank every fused module group by its effect on its layer's output at the recipe's low-bit scheme, check the
+    ranking against the full-model KL, and write a mixed-precision recipe that keeps the most sensitive groups
+    at the high scheme until the budget is met. Exit 0 when the budget is met, 1 when it cannot be."""
+    from quantkit import api
+
+    data = api.sensitivity(recipe, budget, output, high=high, validate=validate, latency_from=latency_from,
+                           latency_metric=latency_metric, overrides=set_ or [], device=device,
+                           progress=lambda m: typer.echo(m, err=True))
+    c = data["choice"]
+    if json_out:
+        typer.echo(json.dumps({"choice": c, "validation": data["validation"], "recipe_path": data["recipe_path"]},
+                              indent=2))
+    else:
+        typer.echo(data["recipe_path"])
+    if not c["met"]:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
-    """Add `quantkit tune` to `app`."""
+    """Add `quantkit tune` and `quantkit sensitivity` to `app`."""
     app.command("tune")(tune_cmd)
+    app.command("sensitivity")(sensitivity_cmd)
