@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,7 +39,7 @@ def partial_dir(output: Path) -> Path:
 
 def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, overwrite: bool = False,
             quiet: bool = False, on_weight: Callable[[str, torch.Tensor], None] | None = None,
-            device: str = "auto") -> Path:
+            device: str = "auto", preflight: str | None = None) -> Path:
     """Quantize the model a recipe names into `output` (default: export.output_dir or runs/<name>).
 
     `device`: auto (the first GPU, else the CPU), cpu, cuda or cuda:N: where each layer, its Hessians and
@@ -46,6 +47,10 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
 
     Under torchrun (or `quantkit convert --nproc N`) every rank calls this: the calibration chunks are split
     across ranks, rank 0 alone locks, writes the work folder and exports (quantkit/distributed.py).
+
+    `preflight`: engine (load a small model in the recipe's formats in vLLM first), capability (only the
+    format rules and the capability check) or off; None: QUANTKIT_PREFLIGHT, else engine
+    (quantkit/engine/preflight.py). It runs before any calibration.
 
     `on_weight`, when given, is called with every quantized module's dequantized weight and every float
     tensor a transform or QAT rewrote, by parameter name (a public hook for tools that compare the export
@@ -61,17 +66,19 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     if not ranks.root:  # rank 0 holds the lock for the whole group
         if output.exists() and not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
-        return _convert_locked(recipe, output, restart, True, on_weight, t_start, placed, ranks)
+        return _convert_locked(recipe, output, restart, True, on_weight, t_start, placed, ranks, preflight)
     with exclusive(lock_beside(output), f"a conversion into {output}"):
         if output.exists() and not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")
-        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start, placed, ranks)
+        return _convert_locked(recipe, output, restart, quiet, on_weight, t_start, placed, ranks, preflight)
 
 
 def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on_weight, t_start: float,
-                    placed: tuple, ranks: Ranks) -> Path:
+                    placed: tuple, ranks: Ranks, preflight: str | None = None) -> Path:
     from quantkit import qat as qat_stage
     from quantkit.data import build_calibration_set
+    from quantkit.engine.preflight import default_mode
+    from quantkit.engine.preflight import preflight as run_preflight
     from quantkit.export.artifact import compress_results, write_artifact
     from quantkit.model.arch import arch_for
     from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
@@ -87,13 +94,16 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     model_dir = resolve_model_dir(recipe.model, quiet=quiet)
     verify_model_folder(model_dir)
     tok = load_tokenizer(model_dir, recipe.model.trust_remote_code)
+    model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
+    arch = arch_for(model.config)
+    plan = make_plan(model, arch, recipe)
+    # will the engine load what this produces? asked before any calibration (quantkit/engine/preflight.py)
+    checked = (run_preflight(recipe, model_dir, plan, arch, preflight or default_mode(),
+                             "cuda" if device.type == "cuda" else "cpu", _say(quiet)) if ranks.root else None)
     calib = build_calibration_set(recipe.calibration, tok) if recipe.calibration else None
     if calib is not None and ranks.world > 1:
         ChunkLayout.of(calib.input_ids.shape[0], recipe.calibration.batch_size, calib.input_ids.shape[1],
                        ranks).check(f"recipe {recipe.name!r}")
-    model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
-    arch = arch_for(model.config)
-    plan = make_plan(model, arch, recipe)
     source = LazyCheckpoint(model_dir)
     partial = partial_dir(output)
     needed = disk_needed(plan, source, recipe, calib.input_ids.shape if calib else None, model.config)
@@ -138,7 +148,7 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
                      "calibration": calib.summary() if calib else None, "qat": qat.summary if qat else None,
                      "conversion": {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
                                     "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
-                                    "processes": ranks.world,
+                                    "processes": ranks.world, "preflight": checked,
                                     "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}}
             manifest = write_artifact(export_dir, model_dir, source, LazyCheckpoint(compressed, produced), plan,
                                       work.layer_stats(n_layers), recipe.export.max_shard_size_mb * 1024 * 1024,
@@ -167,6 +177,15 @@ def _convert_rank(recipe: Recipe, model, arch, plan, source, calib, partial: Pat
                    calib.input_ids if calib else None, device, quiet=True)
     leave()
     return partial.parent / partial.name[1:-len(".partial")]
+
+
+def _say(quiet: bool) -> Callable[[str], None]:
+    """A progress line: logged, and on stderr unless quiet."""
+    def say(msg: str) -> None:
+        log.info(msg)
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+    return say
 
 
 def disk_needed(plan, source, recipe: Recipe, calib_shape, config) -> int:

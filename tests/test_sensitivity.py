@@ -70,14 +70,17 @@ def test_ranking_finds_the_fragile_module_and_matches_the_full_model_kl(measured
     v = r["validation"]
     assert len(v["units"]) == 8 and v["spearman"] > 0.8, v  # measured 0.98 (layer proxy)
     assert v["proxy"] in sens.PROXIES and v["spearman"] == max(v["spearman_by_proxy"].values())
-    assert v["kl_factor"] > 0
+    # the KL factor is calibrated on the measured uniform low-bit model: the prediction is exact there
+    assert v["kl_factor"] > 0 and r["ends"]["low"]["predicted_kl"] == pytest.approx(v["measured"]["low"])
+    assert v["measured"]["high"] < v["measured"]["low"] / 10
     # at W8A8 the same unit is far less harmful (the high scheme must be worth its bytes)
     assert units[0]["error_high"] < units[0]["error_low"] / 10
     # fused groups are never split: q/k/v and gate/up are one unit each
     names = {u["name"] for u in r["units"]}
     assert {"0.self_attn.q_proj+k_proj+v_proj", "0.self_attn.o_proj", "0.mlp.gate_proj+up_proj",
             "0.mlp.down_proj"} <= names and len(names) == 8
-    for f in ("sensitivity.json", "sensitivity.md", "sensitivity_by_layer.png", "proxy_vs_kl.png", "units.json"):
+    for f in ("sensitivity.json", "sensitivity.md", "sensitivity_by_layer.png", "proxy_vs_kl.png", "measured.json",
+              "validation.json"):
         assert (out / f).is_file(), f
 
 

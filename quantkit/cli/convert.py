@@ -31,6 +31,7 @@ def convert(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder (atomically, at the end).")] = False,
     device: Annotated[str, typer.Option("--device", help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = "auto",
     nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes on this machine (torchrun underneath): calibration chunks and GPTQ solves are split across them; the result is the same.")] = 1,
+    preflight: Annotated[Optional[str], typer.Option("--preflight", help="Before calibrating: engine (vLLM loads a small model in the recipe's formats and generates a token; cached), capability (format rules and the capability check only) or off. Default: QUANTKIT_PREFLIGHT, else engine.")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Quantize the model a recipe names and export a compressed-tensors checkpoint with a manifest.
@@ -39,9 +40,12 @@ def convert(
     on one machine, the ranks split the work; see docs/distributed.md.
     """
     from quantkit import api
+    from quantkit.engine.preflight import MODES
     from quantkit.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])  # refuse a bad recipe once, before any process starts
+    if preflight is not None and preflight not in MODES:
+        fail(f"--preflight {preflight!r}: expected one of {', '.join(MODES)}")
     if nproc > 1:
         from quantkit.distributed import ChunkLayout, RankFailed, Ranks, launch, launched_world
 
@@ -51,6 +55,7 @@ def convert(
             c = r.calibration
             ChunkLayout.of(c.num_samples, c.batch_size, c.seq_len, Ranks(world=nproc)).check(recipe)
         args = ["convert", recipe, *(a for s in set_ or [] for a in ("--set", s)), "--device", device]
+        args += ["--preflight", preflight] if preflight else []
         args += ["--output", str(output)] if output else []
         args += (["--restart"] if restart else []) + (["--overwrite"] if overwrite else []) + (["--quiet"] if quiet else [])
         try:
@@ -58,7 +63,7 @@ def convert(
         except RankFailed as exc:
             fail(str(exc), exc.exit_code)
         return
-    out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet, device=device)
+    out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet, device=device, preflight=preflight)
     from quantkit.distributed import launched_world
 
     if launched_world()[0] == 0:  # under torchrun, rank 0 alone reports

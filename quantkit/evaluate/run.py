@@ -274,15 +274,16 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
             t = time.perf_counter()
             d["quality"] = _quality(side, spec, ep, tokenizer, base_quality, progress)
             timings["quality_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            progress(f"[{side.role}] lm-eval tasks {spec.tasks} (limit {spec.task_limit})")
-            try:
-                d["tasks"] = run_tasks(ep, spec.tasks, spec.task_limit, spec.task_concurrency, spec.max_model_len,
-                                       output / "tasks" / side.role)
-            except TaskError as exc:
-                d["tasks"] = {"error": str(exc)}
-                progress(f"[{side.role}] tasks failed: {exc}")
-            timings["tasks_s"] = time.perf_counter() - t
+            if spec.tasks:
+                t = time.perf_counter()
+                progress(f"[{side.role}] lm-eval tasks {spec.tasks} (limit {spec.task_limit})")
+                try:
+                    d["tasks"] = run_tasks(ep, spec.tasks, spec.task_limit, spec.task_concurrency, spec.max_model_len,
+                                           output / "tasks" / side.role)
+                except TaskError as exc:
+                    d["tasks"] = {"error": str(exc)}
+                    progress(f"[{side.role}] tasks failed: {exc}")
+                timings["tasks_s"] = time.perf_counter() - t
             if spec.checks:
                 t = time.perf_counter()
                 d["checks"] = _checks(side, spec, ep, tokenizer, base_checks, progress)

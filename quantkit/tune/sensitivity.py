@@ -310,24 +310,40 @@ class FullModelKL:
         self.ref = [self._logp(w) for w in self.windows]
         self.tokens = sum(len(w) for w in self.windows)
 
+    @staticmethod
     @torch.no_grad()
+    def _logp_of(model, w: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(model(input_ids=w.unsqueeze(0)).logits[0].float(), dim=-1)
+
     def _logp(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.model(input_ids=w.unsqueeze(0)).logits[0].float(), dim=-1)
+        return self._logp_of(self.model, w)
 
     @torch.no_grad()
-    def kl(self, weights: dict[str, torch.Tensor]) -> float:
-        """Mean per-token KL with `weights` (module name -> weight) in place; the model is restored after."""
+    def kl_to(self, model) -> float:
+        """Mean per-token KL(float || `model`) on the same windows: another model, e.g. a converted artifact."""
+        total = 0.0
+        for w, ref in zip(self.windows, self.ref):
+            lq = self._logp_of(model, w)
+            total += float((ref.exp() * (ref - lq)).sum(-1).double().sum())
+        return total / self.tokens
+
+    @torch.no_grad()
+    def kl(self, weights: dict[str, torch.Tensor], activations: dict | None = None) -> float:
+        """Mean per-token KL with `weights` (module name -> weight) in place and, for the modules in
+        `activations` (name -> ActivationSpec), their inputs quantized as the engine does; restored after."""
+        from quantkit.algorithms.rtn import activation_pre_hook
+
         mods = {n: self.model.get_submodule(n) for n in weights}
         kept = {n: m.weight.data for n, m in mods.items()}
+        hooks = [self.model.get_submodule(n).register_forward_pre_hook(activation_pre_hook(spec))
+                 for n, spec in (activations or {}).items()]
         try:
             for n, m in mods.items():
                 m.weight.data = weights[n].to(torch.float32)
-            total = 0.0
-            for w, ref in zip(self.windows, self.ref):
-                lq = self._logp(w)
-                total += float((ref.exp() * (ref - lq)).sum(-1).double().sum())
-            return total / self.tokens
+            return self.kl_to(self.model)
         finally:
+            for h in hooks:
+                h.remove()
             for n, m in mods.items():
                 m.weight.data = kept[n]
 
@@ -382,13 +398,12 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return cov / (va * vb) if va and vb else None
 
 
-def kl_factor(units: list[Unit]) -> float | None:
-    """KL per unit of layer-output error, from the validated units: the median ratio (robust to one outlier)."""
-    r = sorted(u.kl_low / u.error_low for u in units if u.kl_low is not None and u.error_low > 0)
-    if not r:
-        return None
-    m = len(r) // 2
-    return r[m] if len(r) % 2 else (r[m - 1] + r[m]) / 2
+def kl_factor(measured_low_kl: float, units: list[Unit]) -> float | None:
+    """KL per unit of proxy error: the measured KL of the uniform low-bit model over the summed errors of its
+    units. Calibrated at that end, so predictions are exact there; the measured KL of the chosen mix shows
+    how well the errors add in between."""
+    total = sum(u.error_low for u in units)
+    return measured_low_kl / total if total > 0 else None
 
 
 # ------------------------------------------------------------------------------------------- choose
@@ -523,10 +538,14 @@ def mixed_recipe(recipe: Recipe, high: Scheme | None, units: list[Unit], kept: l
     keep = {u.name for u in units if u.name in set(kept)}
     modules = sorted(m for u in units if u.name in keep for m in u.modules)
     data = recipe.model_dump(mode="json", exclude_defaults=True)
-    data["stages"] = [st.model_dump(mode="json") for st in recipe.stages]  # every field explicit
+    # every stage field explicit (unset overrides left out)
+    data["stages"] = [{k: v for k, v in st.model_dump(mode="json").items() if v is not None} for st in recipe.stages]
     data["name"] = name
-    data["description"] = (f"{recipe.description or recipe.name}; {len(keep)} of {len(units)} units kept at "
-                           f"{high.name if high else 'the model dtype'} by sensitivity")
+    st = next(st for st in recipe.stages if not st.is_transform)
+    low_desc = st.scheme + (f" group {st.group_size}" if st.group_size else "")
+    data["description"] = (f"mixed precision by measured sensitivity, from {recipe.name}: {len(keep)} of {len(units)} "
+                           f"fused module groups at {high.name if high else 'the model dtype'}, the rest {low_desc} "
+                           f"({st.method})")
     data.setdefault("export", {}).pop("output_dir", None)
     if data.get("publish", {}).get("name"):
         data["publish"]["name"] = f"{data['publish']['name']}-mixed"
@@ -536,7 +555,7 @@ def mixed_recipe(recipe: Recipe, high: Scheme | None, units: list[Unit], kept: l
         if high is None:
             low["ignore"] = list(low["ignore"]) + exact_targets(modules)
         else:
-            hi = dict(low)
+            hi = json.loads(json.dumps(low))  # its own lists: no YAML anchors
             hi.update(scheme=high.name, targets=exact_targets(modules))
             hi.pop("group_size", None)
             if hi.get("actorder") == "group":
@@ -651,48 +670,35 @@ def run(recipe: Recipe, budget: str, output: Path, high: str = "W8A8", validate:
         kl_tokens: int = 1024, device: str = "auto", progress: Callable[[str], None] | None = None) -> dict:
     """Measure, validate, choose and write: output/{sensitivity.json, sensitivity.md, plots, <name>.yaml}.
 
-    The measured units are kept in output/units.json for the recipe's fingerprint: a second call with another
-    budget reuses them (and the validation) instead of measuring again."""
-    from quantkit.evaluate.suite import resolve_file
-
+    The measurement (measured.json, with the units' quantized weights in weights/) and the validation
+    (validation.json) are kept for their inputs: a second call with another budget reuses both."""
     say = progress or (lambda m: None)
     hi = check_recipe(recipe, high)
     output.mkdir(parents=True, exist_ok=True)
-    key = {"recipe": recipe.hash(), "high": high, "validate": validate, "kl_tokens": kl_tokens}
-    cache = output / "units.json"
-    cached = json.loads(cache.read_text()) if cache.is_file() else None
-    if cached and cached.get("key") == key:
-        units = [Unit(**u) for u in cached["units"]]
-        facts, validation = cached["facts"], cached["validation"]
-        say(f"sensitivity: reusing the measured units in {cache}")
+    weights_dir = output / "weights"
+    mkey = {"recipe": recipe.hash(), "high": high, "version": MEASURE_VERSION, "weights": bool(validate)}
+    cached = _cached(output / "measured.json", mkey)
+    if cached is not None:
+        units, facts = [Unit(**u) for u in cached["units"]], cached["facts"]
+        say(f"sensitivity: reusing the measurement in {output / 'measured.json'}")
     else:
-        weights_dir = output / "weights" if validate else None
-        units, facts = measure(recipe, hi, weights_dir, device, say)
-        validation = None
-        if validate:
-            files = [resolve_file(f) for f in recipe.eval.perplexity_files]
-            say(f"validation: full-model KL on {', '.join(f.name for f in files)} for {min(validate, len(units))} units")
-            fm = FullModelKL(Path(facts["model_dir"]), files, kl_tokens, trust_remote_code=recipe.model.trust_remote_code)
-            sample = spread(units, validate)
-            for i, u in enumerate(sample):
-                u.kl_low = fm.kl(load_unit_weights(weights_dir, [u], "low"))
-                say(f"  {i + 1}/{len(sample)} {u.name}: error {u.error_low:.3g}, KL {u.kl_low:.4g}")
-            rho = {}
-            for p in PROXIES:  # the proxy whose ranking agrees best with the full-model KL is the one used
-                use_proxy(units, p, facts["final_energy"])
-                rho[p] = spearman([u.error_low for u in sample], [u.kl_low for u in sample])
-            proxy = max(PROXIES, key=lambda p: (rho[p] if rho[p] is not None else -2, p == "layer"))
-            use_proxy(units, proxy, facts["final_energy"])
-            measured = {"low": fm.kl(load_unit_weights(weights_dir, units, "low"))}
-            if hi is not None:
-                measured["high"] = fm.kl(load_unit_weights(weights_dir, units, "high"))
-            validation = {"units": [u.name for u in sample], "tokens": fm.tokens,
-                          "files": [str(f) for f in files], "proxy": proxy, "spearman_by_proxy": rho,
-                          "spearman": rho[proxy],
-                          "kl_factor": kl_factor(sample), "measured": measured}
-            del fm
-        atomic_write_json(cache, {"key": key, "units": [asdict(u) for u in units], "facts": facts,
-                                  "validation": validation})
+        units, facts = measure(recipe, hi, weights_dir if validate else None, device, say)
+        atomic_write_json(output / "measured.json", {"key": mkey, "units": [asdict(u) for u in units], "facts": facts})
+    use_proxy(units, "layer", facts["final_energy"])
+    validation = None
+    if validate:
+        vkey = {**mkey, "validate": validate, "kl_tokens": kl_tokens, "files": list(recipe.eval.perplexity_files)}
+        validation = _cached(output / "validation.json", vkey)
+        if validation is not None:
+            validation.pop("key")
+            say(f"sensitivity: reusing the validation in {output / 'validation.json'}")
+        else:
+            validation = _validate(recipe, hi, units, facts, weights_dir, validate, kl_tokens, say)
+            atomic_write_json(output / "validation.json", {"key": vkey, **validation})
+        for u in units:
+            u.kl_low = validation["kl_low"].get(u.name)
+        use_proxy(units, validation["proxy"], facts["final_energy"])
+        validation["kl_factor"] = kl_factor(validation["measured"]["low"], units)
     factor = (validation or {}).get("kl_factor")
     other = facts["other_bytes"]
     uniform_low = sum(u.bytes_low for u in units) + other
@@ -706,14 +712,11 @@ def run(recipe: Recipe, budget: str, output: Path, high: str = "W8A8", validate:
         ends[end] = {"linear_bytes": lin, "checkpoint_bytes": lin + other, "error": err,
                      "predicted_kl": factor * err if factor is not None else None,
                      "predicted_tpot_ms": lat.predict(lin) if lat is not None else None}
-    if validation and choice["kept"] and (output / "weights").is_dir():
+    if validation and choice["kept"]:
         kept = set(choice["kept"])
-        mix = {**load_unit_weights(output / "weights", [u for u in units if u.name not in kept], "low")}
-        if hi is not None:
-            mix.update(load_unit_weights(output / "weights", [u for u in units if u.name in kept], "high"))
         fm = FullModelKL(Path(facts["model_dir"]), [Path(f) for f in validation["files"]], kl_tokens,
                          trust_remote_code=recipe.model.trust_remote_code)
-        validation = {**validation, "measured": {**validation["measured"], "mixed": fm.kl(mix)}}
+        validation["measured"]["mixed"] = fm.kl(*_end_weights(weights_dir, units, hi, kept))
         del fm
     tag = re.sub(r"[^A-Za-z0-9._-]+", "", b.text.replace("=", "-"))
     name = f"{recipe.name}-mixed-{tag}"
@@ -732,6 +735,51 @@ def run(recipe: Recipe, budget: str, output: Path, high: str = "W8A8", validate:
     write_report(output, result)
     return result
 
+
+MEASURE_VERSION = 1  # bump when the measurement's definition changes: cached measurements are then redone
+
+
+def _cached(path: Path, key: dict) -> dict | None:
+    data = json.loads(path.read_text()) if path.is_file() else None
+    return data if data and data.get("key") == key else None
+
+
+def _end_weights(weights_dir: Path, units: list[Unit], high: Scheme | None, kept: set[str]):
+    """(weights, activation specs) of the model with the `kept` units at the high scheme, the rest low."""
+    w = load_unit_weights(weights_dir, [u for u in units if u.name not in kept], "low")
+    acts = {}
+    if high is not None:
+        hi_units = [u for u in units if u.name in kept]
+        w.update(load_unit_weights(weights_dir, hi_units, "high"))
+        if high.activations is not None:
+            acts = {m: high.activations for u in hi_units for m in u.modules}
+    return w, acts
+
+
+def _validate(recipe: Recipe, high: Scheme | None, units: list[Unit], facts: dict, weights_dir: Path, n: int,
+              kl_tokens: int, say) -> dict:
+    """Full-model KL of `n` units spread over the ranking (each alone at the low scheme) and of both ends;
+    the proxy whose ranking agrees better with the per-unit KLs."""
+    from quantkit.evaluate.suite import resolve_file
+
+    files = [resolve_file(f) for f in recipe.eval.perplexity_files]
+    say(f"validation: full-model KL on {', '.join(f.name for f in files)} for {min(n, len(units))} units")
+    fm = FullModelKL(Path(facts["model_dir"]), files, kl_tokens, trust_remote_code=recipe.model.trust_remote_code)
+    sample = spread(units, n)
+    kl_low = {}
+    for i, u in enumerate(sample):
+        kl_low[u.name] = fm.kl(load_unit_weights(weights_dir, [u], "low"))
+        say(f"  {i + 1}/{len(sample)} {u.name}: error {u.error_low:.3g}, KL {kl_low[u.name]:.4g}")
+    rho = {}
+    for p in PROXIES:  # the proxy whose ranking agrees best with the full-model KL is the one used
+        use_proxy(units, p, facts["final_energy"])
+        rho[p] = spearman([u.error_low for u in sample], [kl_low[u.name] for u in sample])
+    proxy = max(PROXIES, key=lambda p: (rho[p] if rho[p] is not None else -2, p == "layer"))
+    measured = {"low": fm.kl(*_end_weights(weights_dir, units, high, set()))}
+    if high is not None:
+        measured["high"] = fm.kl(*_end_weights(weights_dir, units, high, {u.name for u in units}))
+    return {"units": [u.name for u in sample], "tokens": fm.tokens, "files": [str(f) for f in files],
+            "kl_low": kl_low, "proxy": proxy, "spearman_by_proxy": rho, "spearman": rho[proxy], "measured": measured}
 
 
 __all__ = ["Unit", "Budget", "LatencyModel", "FullModelKL", "weight_bytes", "plan_units", "check_recipe", "measure",

@@ -1,0 +1,250 @@
+"""Pre-flight: will the engine load what this recipe is about to produce? Asked before any calibration.
+
+A conversion of a real model takes minutes to hours; an export vLLM then refuses is found only when it is
+served. Pre-flight asks first, in three steps, each cheaper than the next one is useful:
+
+1. **Format rules** (always, milliseconds): vLLM fuses q/k/v into one Linear and gate/up into another, and a
+   fused Linear has one scheme: a recipe that gives the members of one fused group different stages (or
+   quantizes some and ignores others) cannot load anywhere. Checked on the real model's plan.
+2. **Capability** (`capability` and `engine`): can this machine's engine run the recipe's schemes at all
+   (quantkit.engine.capability)? If not, the artifact may still be meant for another machine (a GPU): it
+   is said, not refused, and the engine step is skipped.
+3. **Engine** (`engine`, the default): a small model built from the real model's config, with as many
+   decoder layers as the plan has distinct per-layer layouts (usually one) and seeded random weights, is
+   quantized with round-to-nearest into the recipe's exact formats (same schemes, group sizes, symmetry,
+   fused groups, ignored modules), exported the same way, loaded by vLLM, and asked for one token. A
+   refusal stops the conversion with vLLM's own error.
+
+The result is cached under QUANTKIT_HOME/preflight/ per (engine version, machine kind, format, architecture),
+so the second conversion with the same formats costs nothing; a refusal is cached too. `off` skips it all;
+the default comes from QUANTKIT_PREFLIGHT (else `engine`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from quantkit.io import atomic_write_json, quantkit_home
+from quantkit.plan import ConvertError, Plan, exact_targets
+
+log = logging.getLogger("quantkit")
+MODES = ("engine", "capability", "off")
+CACHE_VERSION = 1
+
+
+class PreflightError(ConvertError):
+    """The engine cannot load what the recipe would produce; said before any calibration."""
+
+
+def default_mode() -> str:
+    mode = os.environ.get("QUANTKIT_PREFLIGHT", "engine")
+    if mode not in MODES:
+        raise ValueError(f"QUANTKIT_PREFLIGHT={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+# ---------------------------------------------------------------------------------------- format rules
+def fused_group_problems(plan: Plan, arch, recipe) -> list[str]:
+    """Fused groups (q/k/v, gate/up) whose members would not share one scheme in the export."""
+    problems = []
+    for lp in plan.layers:
+        owner = {t.name: t.stage for t in lp.targets}
+        for group in arch.sequential:
+            if len(group) < 2:
+                continue
+            names = [lp.prefix + local for local in group]
+            stages = {owner.get(n) for n in names}
+            if len(stages) > 1:
+                what = ", ".join(f"{n.rsplit('.', 1)[1]}: " + (f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}"
+                                                                 if n in owner else "not quantized") for n in names)
+                problems.append(f"{lp.prefix.rstrip('.')} ({what})")
+    return problems
+
+
+def check_format_rules(plan: Plan, arch, recipe) -> None:
+    bad = fused_group_problems(plan, arch, recipe)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise PreflightError(
+            f"recipe {recipe.name!r}: vLLM fuses q/k/v and gate/up into one Linear each, with one scheme; these "
+            f"fused groups would mix schemes: {'; '.join(bad[:3])}{more}. Give every member of a fused group the "
+            "same stage (match or ignore them together in stages[*].targets / ignore)")
+
+
+# ----------------------------------------------------------------------------------------- small model
+def layer_layouts(plan: Plan) -> list[dict[str, int]]:
+    """The distinct per-layer layouts (local module name -> owning stage), in first-seen order."""
+    seen: list[dict[str, int]] = []
+    for lp in plan.layers:
+        lay = {t.name[len(lp.prefix):]: t.stage for t in lp.targets}
+        if lay not in seen:
+            seen.append(lay)
+    return seen
+
+
+def small_recipe(recipe, model_dir: Path, layouts: list[dict[str, int]], layers_path: str) -> dict:
+    """The recipe's formats on the small model: one round-to-nearest stage per quantizer stage, its targets
+    the exact modules of the small model's layers that carry it."""
+    stages = []
+    for si, st in enumerate(recipe.stages):
+        if st.is_transform or st.method == "qat":
+            continue
+        names = [f"{layers_path}.{j}.{local}" for j, lay in enumerate(layouts) for local, s in lay.items() if s == si]
+        if not names:
+            continue
+        stage = {"method": "rtn", "scheme": st.scheme, "targets": exact_targets(names), "ignore": ["lm_head"]}
+        if st.group_size is not None:
+            stage["group_size"] = st.group_size
+        if st.symmetric is not None:
+            stage["symmetric"] = st.symmetric
+        stages.append(stage)
+    return {"name": "preflight", "model": {"path": str(model_dir), "dtype": recipe.model.dtype,
+                                           "compute_dtype": "float32"}, "stages": stages}
+
+
+def build_small_model(model_dir: Path, layers: int, dest: Path, dtype: str) -> Path:
+    """The real model's config with `layers` decoder layers and seeded random weights, and its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:layers]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.02)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.to(getattr(torch, dtype)).save_pretrained(dest, safe_serialization=True)
+    for f in model_dir.iterdir():  # the tokenizer and chat template, so the engine starts as it would
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
+                                                                         "merges.txt", "chat_template.jinja")):
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def format_signature(recipe, layouts: list[dict[str, int]], config: dict) -> dict:
+    """What decides whether the engine loads it: the schemes (as exported) per layer layout, and the
+    architecture's shapes."""
+    from quantkit.plan import stage_scheme
+
+    schemes = {}
+    for si, st in enumerate(recipe.stages):
+        if not st.is_transform and st.method != "qat":
+            s = stage_scheme(recipe, si)
+            schemes[si] = {"scheme": s.name, "weights": vars(s.weights), "acts": s.activations is not None,
+                           "format": s.format}
+    arch_keys = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+    return {"layouts": [sorted(lay.items()) for lay in layouts], "schemes": schemes,
+            "architecture": {k: config.get(k) for k in arch_keys}}
+
+
+# ---------------------------------------------------------------------------------------------- run
+def preflight(recipe, model_dir: Path, plan: Plan, arch, mode: str, device: str = "cpu",
+              progress: Callable[[str], None] | None = None) -> dict:
+    """Refuse (PreflightError) what the engine cannot load; return what was checked, for the log/manifest."""
+    from quantkit.engine.capability import recipe_can_run
+
+    say = progress or log.info
+    if mode not in MODES:
+        raise ValueError(f"preflight {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off":
+        return {"mode": "off"}
+    t0 = time.perf_counter()
+    check_format_rules(plan, arch, recipe)
+    ok, why = recipe_can_run(recipe, device)
+    out = {"mode": mode, "format_rules": "ok", "capability": {"ok": ok, "reason": why or None}}
+    if not ok:
+        say(f"pre-flight: this machine's engine cannot serve the recipe ({why}); the export is not loaded here")
+    if mode == "capability" or not ok:
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        return out
+    out["engine"] = engine_check(recipe, Path(model_dir), plan, device, say)
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def engine_check(recipe, model_dir: Path, plan: Plan, device: str, say) -> dict:
+    from quantkit import hardware
+    from quantkit.engine.vllm_server import vllm_version
+
+    config = json.loads((model_dir / "config.json").read_text())
+    layouts = layer_layouts(plan)
+    key = {"version": CACHE_VERSION, "engine": f"vllm {vllm_version()}", "device": device,
+           "machine": hardware.cpu_kind() if device == "cpu" else hardware.cuda_device(),
+           "format": format_signature(recipe, layouts, config)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    record_path = quantkit_home() / "preflight" / f"{digest}.json"
+    if record_path.is_file():
+        rec = json.loads(record_path.read_text())
+        if rec.get("key") == json.loads(json.dumps(key, default=str)):
+            say(f"pre-flight: {'loaded' if rec['ok'] else 'REFUSED'} before ({record_path.name}, cached)")
+            if not rec["ok"]:
+                raise PreflightError(rec["error"])
+            return {**rec["result"], "cached": True}
+    say(f"pre-flight: a {len(layouts)}-layer model in the recipe's formats, loaded by vLLM (about a minute on a CPU)")
+    t0 = time.perf_counter()
+    ok, result, error = _load_small(recipe, model_dir, layouts, record_path.with_suffix(".log"))
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    atomic_write_json(record_path, {"key": key, "ok": ok, "result": result, "error": error, "at": time.time()})
+    if not ok:
+        raise PreflightError(error)
+    say(f"pre-flight: vLLM loaded it and generated a token in {result['seconds']:.0f} s")
+    return result
+
+
+def _load_small(recipe, model_dir: Path, layouts, log_dest: Path) -> tuple[bool, dict, str | None]:
+    """Build, export, serve, generate one token: (loaded, facts, error). The engine's log is kept at log_dest."""
+    import httpx
+
+    from quantkit.convert import convert
+    from quantkit.engine import EngineError
+    from quantkit.engine.vllm_server import VLLMServer
+    from quantkit.model.arch import arch_for
+    from quantkit.recipe import parse_recipe
+    from transformers import AutoConfig
+
+    arch = arch_for(AutoConfig.from_pretrained(model_dir))
+    with tempfile.TemporaryDirectory(prefix="quantkit-preflight-") as tmp:
+        tmp = Path(tmp)
+        small = build_small_model(model_dir, len(layouts), tmp / "float", recipe.model.dtype)
+        data = small_recipe(recipe, small, layouts, arch.layers)
+        export = convert(parse_recipe(data, "pre-flight recipe"), tmp / "export", quiet=True, preflight="off")
+        qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
+        result = {"layers": len(layouts), "config_groups": sorted((qc.get("config_groups") or {}).keys())}
+        server = VLLMServer(export, tmp / "engine", "preflight", max_model_len=256, ready_timeout_s=600)
+        try:
+            with server as ep:
+                r = httpx.post(f"{ep.base_url}/v1/completions", timeout=120,
+                               json={"model": ep.model, "prompt": [1, 2, 3, 4], "max_tokens": 1, "temperature": 0})
+                if r.status_code != 200:
+                    return False, result, (f"pre-flight: vLLM {ep.version} loaded a small model in the recipe's formats "
+                                           f"but could not generate a token (HTTP {r.status_code}: {r.text[:300]}). "
+                                           "Nothing was calibrated; pass --preflight off to convert anyway")
+                result["engine_start_s"] = round(ep.info.get("start_s") or 0, 1)
+        except EngineError as exc:
+            msg = str(exc).split("\n  full log:")[0]
+            return False, result, (f"pre-flight: vLLM cannot load what recipe {recipe.name!r} would produce: {msg} "
+                                   f"(engine log: {log_dest}). Nothing was calibrated; fix the recipe's schemes, or "
+                                   "pass --preflight off to convert anyway")
+        finally:
+            if server.log_path.is_file():
+                log_dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(server.log_path, log_dest)
+    return True, result, None
+
+
+__all__ = ["MODES", "PreflightError", "default_mode", "preflight", "fused_group_problems", "layer_layouts",
+           "small_recipe", "build_small_model"]
