@@ -158,6 +158,13 @@ def test_engine_log_parsing_and_failure_explanation():
     assert parse_engine_log("Model loading took 0.25 GiB memory and 1.2 seconds")["weight_bytes"] == 2**28
     why = explain_failure("Traceback\nValueError: Failed to find a kernel that can implement the WNA16 linear layer")
     assert "W8A16" in why and "Failed to find a kernel" in why
+    # vLLM's engine core wraps the worker's exception: the worker's is the cause, not the wrapper
+    wrapped = ("(Worker pid=5) ERROR 12-02 14:15:29 [multiproc_executor.py:953] NotImplementedError: No "
+               "compressed-tensors compatible scheme was found for layer_name='x'\n"
+               "    raise RuntimeError(\nRuntimeError: Engine core initialization failed. See root cause above. "
+               "Failed core proc(s): {}\n")
+    assert explain_failure(wrapped) == ("last error: NotImplementedError: No compressed-tensors compatible scheme "
+                                        "was found for layer_name='x'")
 
 
 def test_engine_flags():

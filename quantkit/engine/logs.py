@@ -69,12 +69,22 @@ _KNOWN = [
 ]
 
 
+_EXC = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
+_WRAPPER = re.compile(r"(initialization failed|See root cause above|Failed core proc)")
+_PREFIX = re.compile(r"^\([^)]*\)\s+(ERROR|WARNING|INFO)\s+\S+\s+\S+\s+\[[^\]]*\]\s*")
+
+
 def explain_failure(log: str) -> str:
     """One line: the likely cause of a failed engine start and the last error line of the log."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.search(r"(Error|ERROR|Exception|Traceback|Value error)", ln)
               and not ln.startswith("For further information")]
     last = errors[-1] if errors else (lines[-1] if lines else "(empty log)")
+    # vLLM's engine core wraps the real failure ("Engine core initialization failed. See root cause above"):
+    # the root cause is the last exception message of a worker or core process before that wrapper
+    causes = [_PREFIX.sub("", ln) for ln in lines if _EXC.search(ln) and not _WRAPPER.search(ln)]
+    if causes:  # from the exception's name on: its head says what failed
+        last = causes[-1][_EXC.search(causes[-1]).start():][:400]
     for pat, why in _KNOWN:
         if pat.search(log):
             cause = next((ln for ln in reversed(lines) if pat.search(ln)), last)
