@@ -62,12 +62,12 @@ def capability(artifacts: list[str | Path] = ()) -> dict:
     return out
 
 
-def sensitivity(recipe: str | Path, budget: str, output: str | Path | None = None, high: str = "W8A8",
+def sensitivity(recipe: str | Path, budget: str | list[str], output: str | Path | None = None, high: str = "W8A8",
                 validate: int = 16, latency_from: list[str | Path] | None = None,
                 latency_metric: str = "speed.c1.tpot_ms_p50", overrides: list[str] | None = None,
                 device: str = "auto", progress=None) -> dict:
     """Rank the recipe's fused module groups by sensitivity and write a mixed-precision recipe meeting `budget`
-    (quantkit.tune.sensitivity.run). Default folder: runs/sensitivity/<recipe name>."""
+    (quantkit.tune.sensitivity.run; several budgets must all hold). Default folder: runs/sensitivity/<recipe name>."""
     from quantkit.recipe import load_recipe
     from quantkit.tune import sensitivity as sens
 

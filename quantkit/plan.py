@@ -138,11 +138,15 @@ def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
                 for si, st in enumerate(recipe.stages):
                     if st.is_transform or not _claims(st, full, type(mod).__name__):
                         continue  # transforms rescale; only quantizer stages own modules
-                    scheme = stage_scheme(recipe, si)
                     try:
+                        scheme = stage_scheme(recipe, si)
                         check_divisible(scheme.weights, mod.in_features, full)
                     except ValueError as exc:  # the recipe asks for what this model's shapes cannot take
                         raise ConvertError(f"recipe {recipe.name!r} stages[{si}]: {exc}") from None
+                    if scheme.weights.scale_format != "model" and _ct_actorder(st) == "group":
+                        raise ConvertError(f"recipe {recipe.name!r} stages[{si}].actorder: 'group' needs a g_idx "
+                                           f"in the checkpoint, which the {scheme.format} format does not carry; "
+                                           "use actorder: static (same quality, plain groups)")
                     if si not in ct_schemes:
                         ct_schemes[si] = scheme.to_compressed_tensors(targets=[], actorder=_ct_actorder(st))
                     method = QAT_START if st.method == "qat" else st.method

@@ -22,6 +22,9 @@ class WeightSpec:
     symmetric: bool = True
     strategy: Strategy = "channel"
     group_size: int | None = None  # only for strategy == "group"
+    # how group scales are stored: in the model's dtype; as fp8 e4m3 under one power-of-two global scale per
+    # tensor (NVFP4); or as power-of-two exponents, E8M0 (MX formats). FP4 schemes fix their group size.
+    scale_format: Literal["model", "fp8", "e8m0"] = "model"
 
     # compressed-tensors (and vLLM) keep integer codes in the signed range for both symmetric and
     # asymmetric schemes; an asymmetric zero point lives in the same range: w = (q - zp) * scale.
@@ -52,6 +55,9 @@ class Scheme:
 
     def with_overrides(self, group_size: int | None = None, symmetric: bool | None = None) -> "Scheme":
         w = self.weights
+        if w.scale_format != "model" and (group_size not in (None, w.group_size) or symmetric is False):
+            raise ValueError(f"{self.name} has a fixed format (symmetric, groups of {w.group_size}); remove the "
+                             "stage's group_size / symmetric")
         if group_size is not None:
             w = replace(w, strategy="channel" if group_size == -1 else "group",
                         group_size=None if group_size == -1 else group_size)
@@ -63,15 +69,25 @@ class Scheme:
         """The compressed-tensors QuantizationScheme (imported here: recipe validation stays light)."""
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+        import torch
+
         w = self.weights
+        extra = {}
+        strategy = w.strategy
+        if w.scale_format == "fp8":  # NVFP4: fp8 group scales under a per-tensor global scale
+            strategy = "tensor_group"
+            extra = {"scale_dtype": torch.float8_e4m3fn, "zp_dtype": torch.float8_e4m3fn}
+        elif w.scale_format == "e8m0":  # MX: power-of-two group scales stored as biased exponents
+            extra = {"scale_dtype": torch.uint8, "zp_dtype": torch.uint8}
         weight_args = QuantizationArgs(
             num_bits=w.num_bits,
             type=w.type,
             symmetric=w.symmetric,
-            strategy=w.strategy,
+            strategy=strategy,
             group_size=w.group_size,
             dynamic=False,
             actorder=actorder,
+            **extra,
         )
         act_args = None
         if self.activations is not None:
@@ -107,6 +123,15 @@ register_scheme(Scheme(
 register_scheme(Scheme(
     "FP8_DYNAMIC", WeightSpec(8, "float", True, "channel"), ActivationSpec(8, "float"), "float-quantized",
     "fp8 e4m3 per-channel weights, dynamic per-token fp8 activations"))
+
+register_scheme(Scheme(
+    "NVFP4A16", WeightSpec(4, "float", True, "group", 16, scale_format="fp8"), None, "nvfp4-pack-quantized",
+    "fp4 (e2m1) weights in groups of 16 with fp8 scales under a per-tensor global scale, 16-bit activations "
+    "(NVIDIA Blackwell; no CPU kernel)"))
+register_scheme(Scheme(
+    "MXFP4A16", WeightSpec(4, "float", True, "group", 32, scale_format="e8m0"), None, "mxfp4-pack-quantized",
+    "fp4 (e2m1) weights in groups of 32 with power-of-two (E8M0) scales, 16-bit activations (OCP MX; no CPU "
+    "kernel)"))
 
 
 def get_scheme(name: str) -> Scheme:

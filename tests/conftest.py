@@ -24,6 +24,12 @@ The train left at 09:15 and arrived at 11:40; the ticket cost 23.50 and the trip
 """
 
 
+# conversions in tests check the format rules and capability only (the engine pre-flight starts vLLM, about
+# a minute; it has its own tests). Set for the whole session, so a test's monkeypatch.undo() cannot drop it;
+# subprocesses (the CLI under test) inherit it.
+os.environ.setdefault("QUANTKIT_PREFLIGHT", "capability")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Every test gets its own QUANTKIT_HOME unless it sets one; the demo model cache is reused."""
@@ -33,8 +39,6 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     if (real / "models").is_dir():
         (home / "models").symlink_to(real / "models")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # conversions in tests check the format rules and capability only; the engine pre-flight has its own tests
-    monkeypatch.setenv("QUANTKIT_PREFLIGHT", "capability")
     yield
 
 

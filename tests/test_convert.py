@@ -118,12 +118,13 @@ def test_crash_mid_export_leaves_no_final_folder(tiny_llama, tmp_path, monkeypat
 
     from quantkit.export import artifact
 
+    real = artifact.write_config
     monkeypatch.setattr(artifact, "write_config", boom)
     with pytest.raises(OSError, match="simulated"):
         _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)
     assert not out.exists()
     assert api.partial_dir(out).is_dir()  # the resume point stays, under another name
-    monkeypatch.undo()
+    monkeypatch.setattr(artifact, "write_config", real)  # (not undo(): that would also drop conftest's env)
     _convert(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}], out)  # picks up and finishes
     assert (out / "manifest.json").is_file() and not api.partial_dir(out).exists()
 

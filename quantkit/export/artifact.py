@@ -41,7 +41,8 @@ def compress_results(plan: Plan, typed_files: list[Path], out_dir: Path, scale_d
         typed, tensors = split_layer(load_file(str(path)), layer)  # tensors starts as the rewritten floats
         for t in layer.targets:  # one module's fp32 weight in memory at a time
             q = decode_weight(typed, t.name, t.scheme.weights)
-            tensors.update(compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, scale_dtype))
+            tensors.update(compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, scale_dtype,
+                                           q.global_scale))
             del q
         dest = out_dir / path.name
         tmp = out_dir / f".{path.name}.tmp"

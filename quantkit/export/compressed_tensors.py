@@ -20,10 +20,16 @@ from compressed_tensors.quantization import QuantizationConfig, QuantizationSche
 
 def compress_linear(prefix: str, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                     g_idx: torch.Tensor | None, scheme: QuantizationScheme,
-                    scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Compressed tensors of one Linear, named `<prefix>.weight_packed` etc."""
+                    scale_dtype: torch.dtype, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Compressed tensors of one Linear, named `<prefix>.weight_packed` etc. FP4 scales go to the compressor in
+    fp32 (it stores them as fp8 or E8M0 itself); NVFP4's stored group scale is scale x global_scale."""
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
-    sd = {"weight": weight.float(), "weight_scale": scale.to(scale_dtype)}  # scale [out, n_groups]
+    fp4 = scheme.weights.type == "float" and scheme.weights.num_bits == 4
+    if global_scale is not None:  # NVFP4: the fp8 value (exact: the global scale is a power of two)
+        sd = {"weight": weight.float(), "weight_scale": scale.float() * global_scale.float(),
+              "weight_global_scale": global_scale.float().reshape(1)}
+    else:
+        sd = {"weight": weight.float(), "weight_scale": scale.float() if fp4 else scale.to(scale_dtype)}
     if zero_point is not None:
         sd["weight_zero_point"] = zero_point.to(torch.int8)
     if g_idx is not None:

@@ -36,6 +36,9 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None = None  # [out, n_groups] integer-valued, asymmetric schemes only
     g_idx: torch.Tensor | None = None  # [in] column -> group, only when the export must carry it
     stats: dict = field(default_factory=dict)  # method diagnostics for the manifest (gptq_loss, damping)
+    # NVFP4: the per-tensor global scale (a power of two); `scale` is then the effective group scale,
+    # scale * global_scale being the fp8 value the export stores
+    global_scale: torch.Tensor | None = None
 
     def columns(self) -> torch.Tensor:
         """[in] column -> group: g_idx when there is one, else contiguous groups of equal size."""

@@ -27,7 +27,7 @@ from quantkit.plan import ConvertError, LayerPlan
 from quantkit.quantize.contract import ModuleResult, QuantizedWeight
 from quantkit.schemes import WeightSpec
 
-TYPED_FIELDS = ("codes", "scale", "zero_point", "g_idx")
+TYPED_FIELDS = ("codes", "scale", "zero_point", "g_idx", "global_scale")
 
 
 def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
@@ -45,6 +45,8 @@ def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
         out[f"{r.name}.zero_point"] = q.zero_point.to(torch.int8)
     if q.g_idx is not None:
         out[f"{r.name}.g_idx"] = q.g_idx.to(torch.int32)
+    if q.global_scale is not None:
+        out[f"{r.name}.global_scale"] = q.global_scale.float().reshape(1)
     for k, v in r.rewritten.items():
         out[k] = v
     return {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}  # own storage each (g_idx is shared)
@@ -53,8 +55,10 @@ def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
 def decode_weight(tensors: dict[str, torch.Tensor], name: str, spec: WeightSpec) -> QuantizedWeight:
     """The QuantizedWeight a layer file holds for module `name` (weight dequantized exactly, fp32)."""
     codes, zp, g_idx = tensors[f"{name}.codes"].float(), tensors.get(f"{name}.zero_point"), tensors.get(f"{name}.g_idx")
+    gs = tensors.get(f"{name}.global_scale")
     q = QuantizedWeight(codes, tensors[f"{name}.scale"].float(), zp.float() if zp is not None else None,
-                        g_idx.long() if g_idx is not None else None)  # weight holds the codes until dequantized
+                        g_idx.long() if g_idx is not None else None,  # weight holds the codes until dequantized
+                        global_scale=gs.float().reshape(()) if gs is not None else None)
     cols = q.columns()  # [in] column -> group
     q.weight = dequantize_codes(codes, q.scale[:, cols], q.zero_point[:, cols] if zp is not None else None, spec)
     return q

@@ -483,49 +483,47 @@ def latency_model(reports: list[Path], high: Scheme | None, metric: str, units: 
                         sum(u.bytes_high for u in units), [str(p) for p in reports])
 
 
-def choose(units: list[Unit], budget: Budget, other_bytes: int, factor: float | None = None,
+def choose(units: list[Unit], budgets: Budget | list[Budget], other_bytes: int, factor: float | None = None,
            latency: LatencyModel | None = None) -> dict:
-    """Keep units at the high scheme, best error saved per byte first, until the budget is met. Returns the
-    kept unit names, the predicted figures and whether the budget was met."""
-    if budget.kind == "kl" and factor is None:
+    """Keep units at the high scheme, best error removed per byte added first, until the budgets are met.
+
+    A budget either caps what may be added (size; TPOT where the high scheme is the slower one) or is a
+    target that adding reaches (KL; TPOT where the high scheme is the faster one, as W8A8 is against
+    W4A16 on an AMX CPU). Units are added, skipping any that would break a cap, until every target is
+    met; with caps only, every unit that fits is added (the best quality within them). Returns the kept
+    unit names, the predicted figures and whether every budget is met."""
+    budgets = [budgets] if isinstance(budgets, Budget) else list(budgets)
+    if any(b.kind == "kl" for b in budgets) and factor is None:
         raise ValueError("a kl budget needs the KL factor from validation (--validate N with N >= 1)")
-    if budget.kind == "tpot" and latency is None:
+    if any(b.kind == "tpot" for b in budgets) and latency is None:
         raise ValueError("a tpot budget needs the engine's measured TPOT: --latency-from REPORT [REPORT]")
     order = sorted((u for u in units if u.error_low > u.error_high), key=lambda u: (-u.saving, u.name))
     kept: list[Unit] = []
     lin = sum(u.bytes_low for u in units)
     err = sum(u.error_low for u in units)
 
-    def figures() -> dict:
+    def figures(lin: int, err: float) -> dict:
         return {"error": err, "linear_bytes": lin, "checkpoint_bytes": lin + other_bytes,
                 "predicted_kl": factor * err if factor is not None else None,
                 "predicted_tpot_ms": latency.predict(lin) if latency is not None else None}
 
-    def within(f: dict) -> bool:
-        return {"kl": lambda: f["predicted_kl"] <= budget.value,
-                "size": lambda: f["checkpoint_bytes"] <= budget.value,
-                "tpot": lambda: f["predicted_tpot_ms"] <= budget.value}[budget.kind]()
+    def within(b: Budget, f: dict) -> bool:
+        return f[{"kl": "predicted_kl", "size": "checkpoint_bytes", "tpot": "predicted_tpot_ms"}[b.kind]] <= b.value
 
-    if budget.kind == "kl":  # add until the quality is reached
-        for u in order:
-            if within(figures()):
-                break
-            kept.append(u)
-            lin += u.bytes_added
-            err += u.error_high - u.error_low
-        met = within(figures())
-    else:  # size and latency: add while the next one still fits
-        met = within(figures())
-        if met:
-            for u in order:
-                f_lin, f_err = lin + u.bytes_added, err + u.error_high - u.error_low
-                trial = {"checkpoint_bytes": f_lin + other_bytes,
-                         "predicted_tpot_ms": latency.predict(f_lin) if latency is not None else None}
-                if not within(trial):
-                    continue  # a smaller unit further down may still fit
-                kept.append(u)
-                lin, err = f_lin, f_err
-    return {"budget": budget.text, "met": met, "kept": [u.name for u in kept], **figures()}
+    high_faster = latency is not None and latency.high_ms <= latency.low_ms
+    caps = [b for b in budgets if b.kind == "size" or (b.kind == "tpot" and not high_faster)]
+    targets = [b for b in budgets if b not in caps]
+    for u in order:
+        if targets and all(within(b, figures(lin, err)) for b in targets):
+            break
+        trial = figures(lin + u.bytes_added, err + u.error_high - u.error_low)
+        if not all(within(b, trial) for b in caps):
+            continue  # a smaller unit further down may still fit
+        kept.append(u)
+        lin, err = trial["linear_bytes"], trial["error"]
+    final = figures(lin, err)
+    return {"budget": " ".join(b.text for b in budgets), "met": all(within(b, final) for b in budgets),
+            "kept": [u.name for u in kept], **final}
 
 
 # -------------------------------------------------------------------------------------------- recipe
@@ -665,7 +663,7 @@ def _plots(out: Path, r: dict) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------------- run
-def run(recipe: Recipe, budget: str, output: Path, high: str = "W8A8", validate: int = 16,
+def run(recipe: Recipe, budget: str | list[str], output: Path, high: str = "W8A8", validate: int = 16,
         latency_from: list[Path] | None = None, latency_metric: str = "speed.c1.tpot_ms_p50",
         kl_tokens: int = 1024, device: str = "auto", progress: Callable[[str], None] | None = None) -> dict:
     """Measure, validate, choose and write: output/{sensitivity.json, sensitivity.md, plots, <name>.yaml}.
@@ -702,9 +700,9 @@ def run(recipe: Recipe, budget: str, output: Path, high: str = "W8A8", validate:
     factor = (validation or {}).get("kl_factor")
     other = facts["other_bytes"]
     uniform_low = sum(u.bytes_low for u in units) + other
-    b = Budget.parse(budget, uniform_low)
+    budgets = [Budget.parse(t, uniform_low) for t in ([budget] if isinstance(budget, str) else budget)]
     lat = latency_model(latency_from, hi, latency_metric, units) if latency_from else None
-    choice = choose(units, b, other, factor, lat)
+    choice = choose(units, budgets, other, factor, lat)
     ends = {}
     for end, attr in (("low", "bytes_low"), ("high", "bytes_high")):
         lin = sum(getattr(u, attr) for u in units)
@@ -718,9 +716,9 @@ def run(recipe: Recipe, budget: str, output: Path, high: str = "W8A8", validate:
                          trust_remote_code=recipe.model.trust_remote_code)
         validation["measured"]["mixed"] = fm.kl(*_end_weights(weights_dir, units, hi, kept))
         del fm
-    tag = re.sub(r"[^A-Za-z0-9._-]+", "", b.text.replace("=", "-"))
+    tag = "-".join(re.sub(r"[^A-Za-z0-9._-]+", "", b.text.replace("=", "-")) for b in budgets)
     name = f"{recipe.name}-mixed-{tag}"
-    header = (f"# Written by `quantkit sensitivity` from {recipe.name} (budget {b.text}, high scheme {high}):\n"
+    header = (f"# Written by `quantkit sensitivity` from {recipe.name} (budget {choice['budget']}, high scheme {high}):\n"
               f"# {len(choice['kept'])} of {len(units)} units kept high; checkpoint ~{human_bytes(choice['checkpoint_bytes'])}"
               + (f", predicted KL {choice['predicted_kl']:.4f}" if choice.get("predicted_kl") is not None else "")
               + (f", TPOT ~{choice['predicted_tpot_ms']:.2f} ms (engine ends, interpolated)"
