@@ -146,3 +146,19 @@ def test_capability_refuses_fp4_on_the_cpu():
     ok, why = recipe_can_run(r, "cpu")
     assert not ok and "FP4" in why
     assert recipe_can_run(r, "cuda")[0]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16"])
+def test_every_architecture_converts_and_reloads_exactly(tmp_path, model_type, scheme):
+    from conftest import make_tiny_model
+    from quantkit.evaluate.hf_perplexity import load_for_perplexity
+
+    model_dir = make_tiny_model(tmp_path / model_type, model_type)
+    r = parse_recipe(tiny_recipe(model_dir, None, [{"method": "rtn", "scheme": scheme}]))
+    cap: dict = {}
+    out = api.convert(r, tmp_path / "out", quiet=True, on_weight=cap.__setitem__)
+    assert len(cap) == 2 * 7  # every decoder Linear of both layers
+    model, _ = load_for_perplexity(out)
+    for name, want in cap.items():
+        assert torch.equal(model.get_submodule(name).weight.float(), want.float()), name
