@@ -489,7 +489,7 @@ def choose(units: list[Unit], budgets: Budget | list[Budget], other_bytes: int, 
 
     A budget either caps what may be added (size; TPOT where the high scheme is the slower one) or is a
     target that adding reaches (KL; TPOT where the high scheme is the faster one, as W8A8 is against
-    W4A16 on an AMX CPU). Units are added, skipping any that would break a cap, until every target is
+    W4A16 on the 2-core AVX-512 CPU we measured). Units are added, skipping any that would break a cap, until every target is
     met; with caps only, every unit that fits is added (the best quality within them). Returns the kept
     unit names, the predicted figures and whether every budget is met."""
     budgets = [budgets] if isinstance(budgets, Budget) else list(budgets)
