@@ -53,7 +53,7 @@ def convert(name: str, out: Path, samples: int) -> dict:
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True)
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # the CLI prints the folder: keep stdout JSON
     wall = time.perf_counter() - t0
     man = json.loads((out / "manifest.json").read_text())
     return {"run": name, "wall_s": round(wall, 1), "convert_s": man["conversion"]["wall_time_s"],
