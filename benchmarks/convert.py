@@ -122,7 +122,7 @@ def scaling(tmp: Path) -> dict:
         path = write_recipe(tmp / f"r{layers}.yaml", recipe)
         o = tmp / f"out{layers}"
         subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(path), "-o", str(o), "-q", "--preflight",
-                        "capability"], cwd=REPO, check=True)
+                        "capability"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         man = json.loads((o / "manifest.json").read_text())
         out[f"layers_{layers}"] = {"peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),
                                    "checkpoint_mb": round(weights / 1e6), "wall_s": man["conversion"]["wall_time_s"]}
