@@ -20,7 +20,7 @@ import torch
 
 from quantkit.distributed import ChunkLayout, Ranks, join, launched_world, leave, share
 from quantkit.errors import ENVIRONMENT_ERRNOS, EnvironmentFault, environment_fault, human_bytes
-from quantkit.export.shards import element_size
+from quantkit.export.shards import stored_bytes
 from quantkit.hardware import compute_dtype, conversion_device
 from quantkit.io import model_fingerprint, replace_dir
 from quantkit.locks import exclusive, lock_beside
@@ -199,7 +199,7 @@ def disk_needed(plan, source, recipe: Recipe, calib_shape, config) -> int:
         quantized += n
         packed += n * t.scheme.weights.num_bits // 8
     replaced = {t + ".weight" for t in plan.targets}
-    kept = sum(source.numel(k) * element_size(source.layout(k)[0]) for k in source.keys() if k not in replaced)
+    kept = stored_bytes(source, replaced)
     hidden = 2 * 4 * calib_shape[0] * calib_shape[1] * config.hidden_size if calib_shape is not None else 0
     qat = quantized * (12 + 1) if recipe.stages[-1].method == "qat" else 0
     return int(1.1 * (quantized + hidden + 2 * packed + kept + qat)) + (16 << 20)  # 10% and 16 MB for the rest

@@ -197,10 +197,10 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     g = group_size_for(spec, in_f)
     W[:, f.dead] = 0.0
 
-    # static groups (and none): scales from the original weight, fixed up front
-    qp_static = compute_qparams(W, spec, scale_dtype) if actorder != "group" else None
     # NVFP4's per-tensor global scale: from the whole original weight, also when groups are chosen on the way
     gscale = nvfp4_global_scale(W) if spec.scale_format == "fp8" else None
+    # static groups (and none): scales from the original weight, fixed up front
+    qp_static = compute_qparams(W, spec, scale_dtype, global_scale=gscale) if actorder != "group" else None
     perm = f.perm
     if perm is not None:
         W = W[:, perm]

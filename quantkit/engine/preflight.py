@@ -171,12 +171,12 @@ def preflight(recipe, model_dir: Path, plan: Plan, arch, mode: str, device: str 
     if mode == "capability" or not ok:
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out
-    out["engine"] = engine_check(recipe, Path(model_dir), plan, device, say)
+    out["engine"] = engine_check(recipe, Path(model_dir), plan, arch, device, say)
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 
 
-def engine_check(recipe, model_dir: Path, plan: Plan, device: str, say) -> dict:
+def engine_check(recipe, model_dir: Path, plan: Plan, arch, device: str, say) -> dict:
     from quantkit import hardware
     from quantkit.engine.vllm_server import vllm_version
 
@@ -196,7 +196,7 @@ def engine_check(recipe, model_dir: Path, plan: Plan, device: str, say) -> dict:
             return {**rec["result"], "cached": True}
     say(f"pre-flight: a {len(layouts)}-layer model in the recipe's formats, loaded by vLLM (about a minute on a CPU)")
     t0 = time.perf_counter()
-    ok, result, error = _load_small(recipe, model_dir, layouts, record_path.with_suffix(".log"))
+    ok, result, error = _load_small(recipe, model_dir, arch, layouts, record_path.with_suffix(".log"))
     result["seconds"] = round(time.perf_counter() - t0, 1)
     atomic_write_json(record_path, {"key": key, "ok": ok, "result": result, "error": error, "at": time.time()})
     if not ok:
@@ -205,18 +205,15 @@ def engine_check(recipe, model_dir: Path, plan: Plan, device: str, say) -> dict:
     return result
 
 
-def _load_small(recipe, model_dir: Path, layouts, log_dest: Path) -> tuple[bool, dict, str | None]:
+def _load_small(recipe, model_dir: Path, arch, layouts, log_dest: Path) -> tuple[bool, dict, str | None]:
     """Build, export, serve, generate one token: (loaded, facts, error). The engine's log is kept at log_dest."""
     import httpx
 
     from quantkit.convert import convert
     from quantkit.engine import EngineError
     from quantkit.engine.vllm_server import VLLMServer
-    from quantkit.model.arch import arch_for
     from quantkit.recipe import parse_recipe
-    from transformers import AutoConfig
 
-    arch = arch_for(AutoConfig.from_pretrained(model_dir))
     with tempfile.TemporaryDirectory(prefix="quantkit-preflight-") as tmp:
         tmp = Path(tmp)
         small = build_small_model(model_dir, len(layouts), tmp / "float", recipe.model.dtype)

@@ -71,8 +71,9 @@ def load_for_perplexity(model_dir: Path, dtype: torch.dtype = torch.float32):
     integration (4.57) mixes dtypes on them and does not reproduce their weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if _fp4_groups(Path(model_dir)):
-        model = _decompressed_fp4(Path(model_dir), dtype)
+    fp4 = _fp4_groups(Path(model_dir))
+    if fp4:
+        model = _decompressed_fp4(Path(model_dir), fp4, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
@@ -89,9 +90,9 @@ def _fp4_groups(model_dir: Path) -> dict:
     return {"groups": groups, "ignore": qc.get("ignore") or []}
 
 
-def _decompressed_fp4(model_dir: Path, dtype: torch.dtype):
+def _decompressed_fp4(model_dir: Path, qc: dict, dtype: torch.dtype):
     """The float model of an export with FP4 groups: every quantized Linear decompressed by the compressor of
-    its config group's format (bit-exact), every other tensor as stored."""
+    its config group's format (bit-exact), every other tensor as stored. `qc`: what _fp4_groups found."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors.torch import load_file
@@ -99,7 +100,6 @@ def _decompressed_fp4(model_dir: Path, dtype: torch.dtype):
 
     from quantkit.plan import matches_pattern
 
-    qc = _fp4_groups(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -108,8 +108,7 @@ def _decompressed_fp4(model_dir: Path, dtype: torch.dtype):
         stored.update(load_file(str(f)))
     schemes = {name: QuantizationScheme.model_validate(g) for name, g in qc["groups"].items()}
     state: dict[str, torch.Tensor] = {}
-    packed = sorted({k.rsplit(".", 1)[0] for k in stored if k.rsplit(".", 1)[-1] in ("weight_packed", "weight")
-                     and k.endswith(".weight_packed")})
+    packed = sorted(k[:-len(".weight_packed")] for k in stored if k.endswith(".weight_packed"))
     for mod in packed:
         scheme = next((s for s in schemes.values() if matches_pattern(s.targets, mod, "Linear")
                        and not matches_pattern(qc["ignore"], mod, "Linear")), None)

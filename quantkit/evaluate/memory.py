@@ -25,16 +25,10 @@ def checkpoint_bytes(model_dir: Path) -> int:
 def tensor_bytes(model_dir: Path, compute_dtype: str | None = None) -> int:
     """Sum over tensors of numel x element size; 16/32/64-bit float tensors at `compute_dtype` when given
     (read from the headers through the one safetensors reader, quantkit.model.checkpoint.LazyCheckpoint)."""
-    from quantkit.export.shards import WIDE_FLOAT_CODES, element_size
+    from quantkit.export.shards import stored_bytes
     from quantkit.model.checkpoint import LazyCheckpoint
 
-    float_size = _TORCH_SIZES.get(compute_dtype or "")
-    ckpt = LazyCheckpoint(Path(model_dir))
-    total = 0
-    for key in ckpt.keys():
-        code = ckpt.layout(key)[0]
-        total += ckpt.numel(key) * (float_size if (float_size and code in WIDE_FLOAT_CODES) else element_size(code))
-    return total
+    return stored_bytes(LazyCheckpoint(Path(model_dir)), float_size=_TORCH_SIZES.get(compute_dtype or ""))
 
 
 def memory_figures(model_dir: Path | None, engine_info: dict, kv_from_metrics: int | None,

@@ -37,6 +37,18 @@ def element_size(code: str) -> int:
     return torch.empty((), dtype=DTYPES[code]).element_size()
 
 
+def stored_bytes(ckpt, skip: set[str] = frozenset(), float_size: int | None = None) -> int:
+    """Bytes of a checkpoint's tensors from their headers (numel x element size), `skip` left out; 16/32/64-bit
+    float tensors counted at `float_size` bytes each when given. `ckpt`: a quantkit.model.checkpoint.LazyCheckpoint."""
+    total = 0
+    for key in ckpt.keys():
+        if key in skip:
+            continue
+        code = ckpt.layout(key)[0]
+        total += ckpt.numel(key) * (float_size if (float_size and code in WIDE_FLOAT_CODES) else element_size(code))
+    return total
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A tensor to write: its layout now, its data when `read()` is called."""

@@ -171,6 +171,7 @@ def measure(recipe: Recipe, high: Scheme | None, weights_dir: Path | None = None
 
     from quantkit.data import build_calibration_set
     from quantkit.distributed import ChunkLayout
+    from quantkit.export.shards import stored_bytes
     from quantkit.hardware import compute_dtype, conversion_device
     from quantkit.model.arch import arch_for
     from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton, materialize, release
@@ -265,7 +266,7 @@ def measure(recipe: Recipe, high: Scheme | None, weights_dir: Path | None = None
     facts = {"model_dir": str(model_dir), "calibration_tokens": int(calib.input_ids.numel()),
              "calibration_fingerprint": calib.fingerprint, "compute_dtype": str(compute).replace("torch.", ""),
              "device": str(dev), "float_bytes": float_bytes, "seconds": round(time.perf_counter() - t0, 1),
-             "other_bytes": _other_bytes(ckpt, set(shapes)), "final_energy": energy}
+             "other_bytes": stored_bytes(ckpt, {n + ".weight" for n in shapes}), "final_energy": energy}
     return units, facts
 
 
@@ -282,14 +283,6 @@ def use_proxy(units: list[Unit], proxy: str, final_energy: float) -> None:
         u.error_low, u.error_high = u.sq_low / norm, u.sq_high / norm
 
 
-def _other_bytes(ckpt, quantized: set[str]) -> int:
-    """Bytes of every checkpoint tensor the recipe does not quantize (embeddings, norms, lm_head)."""
-    from quantkit.export.shards import element_size
-
-    skip = {n + ".weight" for n in quantized}
-    return sum(ckpt.numel(k) * element_size(ckpt.layout(k)[0]) for k in ckpt.keys() if k not in skip)
-
-
 # ----------------------------------------------------------------------------------------- validate
 class FullModelKL:
     """KL(float || quantized) per token on held-out windows, with chosen modules' weights swapped in."""
@@ -303,6 +296,7 @@ class FullModelKL:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True,
                                                           trust_remote_code=trust_remote_code).eval()
         tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        self.files = [Path(f) for f in files]
         per_file = max(tokens // max(len(files), 1), window)
         self.windows = [w for f in files for w in token_windows(Path(f).read_text(encoding="utf-8"), tok, window, per_file)]
         if not self.windows:
@@ -483,6 +477,14 @@ def latency_model(reports: list[Path], high: Scheme | None, metric: str, units: 
                         sum(u.bytes_high for u in units), [str(p) for p in reports])
 
 
+def predicted(linear_bytes: int, error: float, other_bytes: int, factor: float | None,
+              latency: LatencyModel | None) -> dict:
+    """What a model whose quantized Linears take `linear_bytes` and add up to `error` is predicted to be."""
+    return {"error": error, "linear_bytes": linear_bytes, "checkpoint_bytes": linear_bytes + other_bytes,
+            "predicted_kl": factor * error if factor is not None else None,
+            "predicted_tpot_ms": latency.predict(linear_bytes) if latency is not None else None}
+
+
 def choose(units: list[Unit], budgets: Budget | list[Budget], other_bytes: int, factor: float | None = None,
            latency: LatencyModel | None = None) -> dict:
     """Keep units at the high scheme, best error removed per byte added first, until the budgets are met.
@@ -503,9 +505,7 @@ def choose(units: list[Unit], budgets: Budget | list[Budget], other_bytes: int, 
     err = sum(u.error_low for u in units)
 
     def figures(lin: int, err: float) -> dict:
-        return {"error": err, "linear_bytes": lin, "checkpoint_bytes": lin + other_bytes,
-                "predicted_kl": factor * err if factor is not None else None,
-                "predicted_tpot_ms": latency.predict(lin) if latency is not None else None}
+        return predicted(lin, err, other_bytes, factor, latency)
 
     def within(b: Budget, f: dict) -> bool:
         return f[{"kl": "predicted_kl", "size": "checkpoint_bytes", "tpot": "predicted_tpot_ms"}[b.kind]] <= b.value
@@ -684,6 +684,17 @@ def run(recipe: Recipe, budget: str | list[str], output: Path, high: str = "W8A8
         atomic_write_json(output / "measured.json", {"key": mkey, "units": [asdict(u) for u in units], "facts": facts})
     use_proxy(units, "layer", facts["final_energy"])
     validation = None
+    fm: FullModelKL | None = None
+
+    def full_model() -> FullModelKL:  # loaded once, and only when a KL is to be measured
+        nonlocal fm
+        if fm is None:
+            from quantkit.evaluate.suite import resolve_file
+
+            fm = FullModelKL(Path(facts["model_dir"]), [resolve_file(f) for f in recipe.eval.perplexity_files],
+                             kl_tokens, trust_remote_code=recipe.model.trust_remote_code)
+        return fm
+
     if validate:
         vkey = {**mkey, "validate": validate, "kl_tokens": kl_tokens, "files": list(recipe.eval.perplexity_files)}
         validation = _cached(output / "validation.json", vkey)
@@ -691,7 +702,7 @@ def run(recipe: Recipe, budget: str | list[str], output: Path, high: str = "W8A8
             validation.pop("key")
             say(f"sensitivity: reusing the validation in {output / 'validation.json'}")
         else:
-            validation = _validate(recipe, hi, units, facts, weights_dir, validate, kl_tokens, say)
+            validation = _validate(full_model(), hi, units, facts, weights_dir, validate, say)
             atomic_write_json(output / "validation.json", {"key": vkey, **validation})
         for u in units:
             u.kl_low = validation["kl_low"].get(u.name)
@@ -703,19 +714,10 @@ def run(recipe: Recipe, budget: str | list[str], output: Path, high: str = "W8A8
     budgets = [Budget.parse(t, uniform_low) for t in ([budget] if isinstance(budget, str) else budget)]
     lat = latency_model(latency_from, hi, latency_metric, units) if latency_from else None
     choice = choose(units, budgets, other, factor, lat)
-    ends = {}
-    for end, attr in (("low", "bytes_low"), ("high", "bytes_high")):
-        lin = sum(getattr(u, attr) for u in units)
-        err = sum(u.error_low if end == "low" else u.error_high for u in units)
-        ends[end] = {"linear_bytes": lin, "checkpoint_bytes": lin + other, "error": err,
-                     "predicted_kl": factor * err if factor is not None else None,
-                     "predicted_tpot_ms": lat.predict(lin) if lat is not None else None}
+    ends = {"low": predicted(sum(u.bytes_low for u in units), sum(u.error_low for u in units), other, factor, lat),
+            "high": predicted(sum(u.bytes_high for u in units), sum(u.error_high for u in units), other, factor, lat)}
     if validation and choice["kept"]:
-        kept = set(choice["kept"])
-        fm = FullModelKL(Path(facts["model_dir"]), [Path(f) for f in validation["files"]], kl_tokens,
-                         trust_remote_code=recipe.model.trust_remote_code)
-        validation["measured"]["mixed"] = fm.kl(*_end_weights(weights_dir, units, hi, kept))
-        del fm
+        validation["measured"]["mixed"] = full_model().kl(*_end_weights(weights_dir, units, hi, set(choice["kept"])))
     tag = "-".join(re.sub(r"[^A-Za-z0-9._-]+", "", b.text.replace("=", "-")) for b in budgets)
     name = f"{recipe.name}-mixed-{tag}"
     header = (f"# Written by `quantkit sensitivity` from {recipe.name} (budget {choice['budget']}, high scheme {high}):\n"
@@ -754,15 +756,11 @@ def _end_weights(weights_dir: Path, units: list[Unit], high: Scheme | None, kept
     return w, acts
 
 
-def _validate(recipe: Recipe, high: Scheme | None, units: list[Unit], facts: dict, weights_dir: Path, n: int,
-              kl_tokens: int, say) -> dict:
+def _validate(fm: FullModelKL, high: Scheme | None, units: list[Unit], facts: dict, weights_dir: Path, n: int,
+              say) -> dict:
     """Full-model KL of `n` units spread over the ranking (each alone at the low scheme) and of both ends;
     the proxy whose ranking agrees better with the per-unit KLs."""
-    from quantkit.evaluate.suite import resolve_file
-
-    files = [resolve_file(f) for f in recipe.eval.perplexity_files]
-    say(f"validation: full-model KL on {', '.join(f.name for f in files)} for {min(n, len(units))} units")
-    fm = FullModelKL(Path(facts["model_dir"]), files, kl_tokens, trust_remote_code=recipe.model.trust_remote_code)
+    say(f"validation: full-model KL on {', '.join(f.name for f in fm.files)} for {min(n, len(units))} units")
     sample = spread(units, n)
     kl_low = {}
     for i, u in enumerate(sample):
@@ -776,7 +774,7 @@ def _validate(recipe: Recipe, high: Scheme | None, units: list[Unit], facts: dic
     measured = {"low": fm.kl(*_end_weights(weights_dir, units, high, set()))}
     if high is not None:
         measured["high"] = fm.kl(*_end_weights(weights_dir, units, high, {u.name for u in units}))
-    return {"units": [u.name for u in sample], "tokens": fm.tokens, "files": [str(f) for f in files],
+    return {"units": [u.name for u in sample], "tokens": fm.tokens, "files": [str(f) for f in fm.files],
             "kl_low": kl_low, "proxy": proxy, "spearman_by_proxy": rho, "spearman": rho[proxy], "measured": measured}
 
 
