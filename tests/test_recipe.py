@@ -124,3 +124,12 @@ def test_cli_validate_reports_bad_recipe(tmp_path):
     result = CliRunner().invoke(app, ["recipes", "validate", str(p)])
     assert result.exit_code == 2
     assert "stages[0].scheme: 'W4A61' is not a known scheme" in result.output
+
+
+def test_unknown_option_is_a_usage_error_not_an_internal_one(tmp_path, monkeypatch):
+    """typer vendors its own click: its usage errors must reach click's reporting (exit 2), not the crash path."""
+    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["convert", "--nosuch", "x.yaml"])
+    assert result.exit_code == 2, result.output
+    assert "No such option: --nosuch" in result.output and "internal error" not in result.output
+    assert not (tmp_path / "logs").exists(), "no crash log for a typo"

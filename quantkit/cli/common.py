@@ -99,13 +99,28 @@ def debug_enabled(ctx: click.Context | None) -> bool:
     return bool(root is not None and (root.obj or {}).get("debug"))
 
 
+def _click_flow_classes() -> tuple[type[BaseException], ...]:
+    """Exit / abort / usage-error classes click reports itself: click's, and those of the copy of click that
+    typer >= 0.26 vendors as typer._click (its parser raises those, e.g. NoSuchOption for an unknown flag)."""
+    classes: list[type[BaseException]] = [typer.Exit, typer.Abort, click.exceptions.Exit,
+                                          click.exceptions.ClickException, click.exceptions.Abort]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:  # pragma: no cover - a typer that uses click itself
+        return tuple(classes)
+    return tuple(classes + [getattr(vendored, n) for n in ("Exit", "ClickException", "Abort") if hasattr(vendored, n)])
+
+
+_CLICK_FLOW = _click_flow_classes()
+
+
 class BoundaryGroup(TyperGroup):
     """The root command group: every command's exception ends here as one line and an exit code."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+        except _CLICK_FLOW:
             raise  # typer.Exit, usage errors: click reports them
         except KeyboardInterrupt:
             typer.echo("interrupted: rerun the same command to resume", err=True)
