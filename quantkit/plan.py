@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from quantkit.model.arch import ArchSpec
+from quantkit.model.moe import is_moe_layer
 from quantkit.recipe import Recipe
 from quantkit.schemes import Scheme, get_scheme
 
@@ -73,6 +74,12 @@ class LayerPlan:
     groups: list[list[Target]] = field(default_factory=list)  # true-sequential order
     group_inputs: list[str] = field(default_factory=list)  # module hooked to see each group's input
     smoothing: list[Smoothing] = field(default_factory=list)
+    # a sparse (mixture-of-experts) layer: the block's local name and, per group index, (expert, "gate_up" |
+    # "down"); quantkit/model/moe.py
+    moe: str | None = None
+    experts: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # local names vLLM serves as one kernel, so with one scheme: q/k/v, gate/up, and all of a block's experts
+    fused: list[tuple[str, ...]] = field(default_factory=list)
 
     @property
     def targets(self) -> list[Target]:
@@ -130,7 +137,17 @@ def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
     for li in range(len(layers)):
         prefix = f"{arch.layers}.{li}."
         plan = LayerPlan(li, prefix)
-        for group in arch.sequential:
+        groups = arch.layer_groups(layers[li])
+        block = is_moe_layer(layers[li], arch)
+        if block is not None:
+            plan.moe = next(n for n, m in layers[li].named_children() if m is block)
+            _refuse_router(recipe, prefix + plan.moe + "." + block.router_name)
+            expert_groups = [g for g in groups if g[0].startswith(plan.moe + ".experts.")]
+            plan.fused = [g for g in groups if len(g) > 1 and g not in expert_groups]
+            plan.fused.append(tuple(n for g in expert_groups for n in g))
+        else:
+            plan.fused = [g for g in groups if len(g) > 1]
+        for group in groups:
             members = []
             for local in group:
                 full = prefix + local
@@ -154,6 +171,9 @@ def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
                     quantized.add(full)
                     break
             if members:
+                if plan.moe is not None and group[0].startswith(plan.moe + ".experts."):
+                    expert = int(group[0][len(plan.moe + ".experts."):].split(".", 1)[0])
+                    plan.experts[len(plan.groups)] = (expert, "down" if len(group) == 1 else "gate_up")
                 plan.groups.append(members)
                 plan.group_inputs.append(prefix + group[0])
         plan.smoothing = plan_smoothing(arch, recipe, prefix, {t.name: t for t in plan.targets})
@@ -166,6 +186,18 @@ def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
     if not quantized:
         raise ConvertError("no module matches any stage's targets (check stages[*].targets and ignore)")
     return Plan(plans, sorted(all_linear - quantized))
+
+
+def _refuse_router(recipe: Recipe, name: str) -> None:
+    """A recipe that names a router (a sparse block's gate) in its targets is refused: routers stay in full
+    precision, which is how vLLM builds them (their logits choose the experts; there is no quantized router
+    kernel), so a quantized one could not be loaded. `Linear` and regexes never reach it: it is no sequential
+    group's member."""
+    for si, st in enumerate(recipe.stages):
+        if not st.is_transform and name in st.targets:
+            raise ConvertError(f"recipe {recipe.name!r} stages[{si}].targets names the router {name}: routers of "
+                               "mixture-of-experts layers stay in full precision (vLLM has no quantized router); "
+                               "remove it from the targets")
 
 
 def plan_smoothing(arch: ArchSpec, recipe: Recipe, prefix: str, quantized: dict[str, Target]) -> list[Smoothing]:

@@ -79,6 +79,15 @@ class DataSource(Strict):
                           encoding=self.encoding)
 
 
+class MoECalibrationSpec(Strict):
+    """How experts of mixture-of-experts layers are calibrated (quantkit/model/moe.py)."""
+
+    min_tokens: int = Field(128, ge=1, description="an expert the router sends fewer calibration tokens than "
+                            "this takes the fallback")
+    fallback: Literal["all_tokens", "rtn"] = Field("all_tokens", description="all_tokens: calibrate that "
+                                                   "expert on every token of the batch; rtn: round-to-nearest")
+
+
 class CalibrationSpec(Strict):
     sources: list[DataSource] = Field(min_length=1)
     num_samples: int = Field(32, ge=1)
@@ -86,6 +95,7 @@ class CalibrationSpec(Strict):
     seed: int = 0
     batch_size: int = Field(32, ge=1, description="samples per forward chunk in the layer pipeline: peak "
                             "memory follows this, not num_samples; smaller lowers it, at some speed")
+    moe: MoECalibrationSpec = MoECalibrationSpec()
 
 
 # ------------------------------------------------------------------------------------------- stages

@@ -70,6 +70,12 @@ TINY_CONFIGS = {
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16),
+    # mixture of experts: 8 experts, 2 per token; Qwen3-MoE's second layer dense (mlp_only_layers)
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "mixtral": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
 
 
@@ -93,9 +99,9 @@ def make_tiny_model(folder: Path, model_type: str = "llama", seed: int = 0, laye
     # real-looking weights: a few input channels with much larger scale, as trained LLMs have
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
+            if p.ndim >= 2 and "embed" not in name:  # 3-D: transformers' fused experts
                 p.normal_(0, 0.08)
-                p[:, :3] *= 4.0
+                p[..., :3] *= 4.0
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     return folder
 

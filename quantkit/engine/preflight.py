@@ -57,12 +57,15 @@ def fused_group_problems(plan: Plan, arch, recipe) -> list[str]:
     problems = []
     for lp in plan.layers:
         owner = {t.name: t.stage for t in lp.targets}
-        for group in arch.sequential:
-            if len(group) < 2:
-                continue
+        for group in lp.fused:
             names = [lp.prefix + local for local in group]
             stages = {owner.get(n) for n in names}
             if len(stages) > 1:
+                if lp.moe is not None and group[0].startswith(lp.moe + ".experts."):
+                    kinds = sorted({"not quantized" if owner.get(n) is None else
+                                    f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}" for n in names})
+                    problems.append(f"{lp.prefix}{lp.moe} (its experts: {', '.join(kinds)})")
+                    continue
                 what = ", ".join(f"{n.rsplit('.', 1)[1]}: " + (f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}"
                                                                  if n in owner else "not quantized") for n in names)
                 problems.append(f"{lp.prefix.rstrip('.')} ({what})")
@@ -74,7 +77,8 @@ def check_format_rules(plan: Plan, arch, recipe) -> None:
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise PreflightError(
-            f"recipe {recipe.name!r}: vLLM fuses q/k/v and gate/up into one Linear each, with one scheme; these "
+            f"recipe {recipe.name!r}: vLLM fuses q/k/v into one Linear, gate/up into another and a sparse block's "
+            "experts into one kernel, each with one scheme; these "
             f"fused groups would mix schemes: {'; '.join(bad[:3])}{more}. Give every member of a fused group the "
             "same stage (match or ignore them together in stages[*].targets / ignore)")
 

@@ -67,59 +67,81 @@ def window_nlls(model, wins: list[torch.Tensor], batch: int = 4) -> list[tuple[f
 
 def load_for_perplexity(model_dir: Path, dtype: torch.dtype = torch.float32):
     """A float model or a compressed-tensors export, decompressed, through transformers (safetensors only).
-    FP4 exports (NVFP4, MXFP4) are decompressed by compressed-tensors' own compressors instead: transformers'
-    integration (4.57) mixes dtypes on them and does not reproduce their weights."""
+    Two kinds of export are decompressed by compressed-tensors' own compressors instead of transformers'
+    integration: FP4 (NVFP4, MXFP4), on which that integration (4.57) mixes dtypes and does not reproduce the
+    weights, and mixture-of-experts models, whose per-expert tensors transformers 5 fuses into 3-D parameters
+    that its integration cannot decompress into."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    fp4 = _fp4_groups(Path(model_dir))
-    if fp4:
-        model = _decompressed_fp4(Path(model_dir), fp4, dtype)
+    model_dir = Path(model_dir)
+    qc = _self_decompressed(model_dir)
+    if qc:
+        model = _decompressed(model_dir, qc, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
-def _fp4_groups(model_dir: Path) -> dict:
+def _self_decompressed(model_dir: Path) -> dict:
+    """The export's quantization config groups and ignore list when quantkit decompresses it itself (FP4
+    weights, or a mixture-of-experts model), else {}."""
     import json
 
-    qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    from quantkit.model.arch import ARCHS
+
+    config = json.loads((model_dir / "config.json").read_text())
+    qc = config.get("quantization_config") or {}
     groups = qc.get("config_groups") or {}
-    if not any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 4
-               for g in groups.values()):
+    fp4 = any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 4
+              for g in groups.values())
+    arch = ARCHS.get(config.get("model_type"))
+    if not groups or not (fp4 or (arch is not None and arch.moe is not None)):
         return {}
     return {"groups": groups, "ignore": qc.get("ignore") or []}
 
 
-def _decompressed_fp4(model_dir: Path, qc: dict, dtype: torch.dtype):
-    """The float model of an export with FP4 groups: every quantized Linear decompressed by the compressor of
-    its config group's format (bit-exact), every other tensor as stored. `qc`: what _fp4_groups found."""
+def _decompressed(model_dir: Path, qc: dict, dtype: torch.dtype):
+    """The float model of an export: every quantized Linear decompressed by the compressor of its config
+    group's format (bit-exact), every other tensor as stored. `qc`: what _self_decompressed found. A model
+    whose float checkpoint layout differs from its module tree (fused experts) is loaded from the decompressed
+    tensors written as a float checkpoint, so transformers converts them as it would the original's."""
+    import tempfile
+
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.plan import matches_pattern
 
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     stored: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         stored.update(load_file(str(f)))
     schemes = {name: QuantizationScheme.model_validate(g) for name, g in qc["groups"].items()}
     state: dict[str, torch.Tensor] = {}
-    packed = sorted(k[:-len(".weight_packed")] for k in stored if k.endswith(".weight_packed"))
-    for mod in packed:
+    quantized = sorted(k[:-len(".weight_scale")] for k in stored if k.endswith(".weight_scale"))
+    for mod in quantized:
         scheme = next((s for s in schemes.values() if matches_pattern(s.targets, mod, "Linear")
                        and not matches_pattern(qc["ignore"], mod, "Linear")), None)
         if scheme is None:
-            raise ValueError(f"{model_dir}: {mod} is packed but no config group targets it")
+            raise ValueError(f"{model_dir}: {mod} is quantized but no config group targets it")
         local = {k[len(mod) + 1:]: v for k, v in stored.items() if k.startswith(mod + ".weight")}
+        if local["weight_scale"].dtype in (torch.bfloat16, torch.float16):  # codes x scale, exact in fp32
+            local["weight_scale"] = local["weight_scale"].float()
         out = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)
         state[mod + ".weight"] = out["weight"].to(dtype)
         for k in local:
             stored.pop(f"{mod}.{k}")
     state.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in stored.items()})
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if set(state) - set(model.state_dict()):  # per-expert tensors for fused parameters: transformers converts
+        with tempfile.TemporaryDirectory(prefix="quantkit-decompressed-") as tmp:
+            config.save_pretrained(tmp)
+            save_file({k: v.contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+            del state, stored
+            return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, use_safetensors=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quantkit.model import ModelError
+from quantkit.model.moe import MoESpec, is_moe_layer
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,22 @@ class ArchSpec:
         ("mlp.up_proj", ("mlp.down_proj",)),
     )
     extra: dict = field(default_factory=dict)
+    # mixture of experts: where the sparse block is and how it routes (quantkit/model/moe.py); its layers
+    # take their attention groups from `sequential` and one (gate, up) and one (down) group per expert
+    moe: MoESpec | None = None
+
+    def layer_groups(self, layer) -> tuple[tuple[str, ...], ...]:
+        """The true-sequential groups of one decoder layer (a module of this family), local names."""
+        block = is_moe_layer(layer, self)
+        if block is None:
+            return self.sequential
+        where = next(n for n, m in layer.named_children() if m is block)
+        mlp_roots = {self.moe.block, where}
+        groups = tuple(g for g in self.sequential if g[0].split(".", 1)[0] not in mlp_roots)
+        gate, up, down = self.moe.linears
+        for e in range(block.num_experts):
+            groups += ((f"{where}.experts.{e}.{gate}", f"{where}.experts.{e}.{up}"), (f"{where}.experts.{e}.{down}",))
+        return groups
 
 
 ARCHS: dict[str, ArchSpec] = {}
@@ -62,6 +79,16 @@ register_arch(ArchSpec("gemma2", ("gemma2", "gemma3_text"), extra={"norm_offset"
     ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
     ("mlp.up_proj", ("mlp.down_proj",)),
 )))
+
+
+# Qwen3-MoE: every layer sparse unless listed in mlp_only_layers (those keep a dense mlp); no shared expert
+register_arch(ArchSpec("qwen3_moe", ("qwen3_moe",), moe=MoESpec(
+    block="mlp", stored=("mlp",), num_experts="num_experts", intermediate="moe_intermediate_size",
+    linears=("gate_proj", "up_proj", "down_proj"), renormalize="norm_topk_prob")))
+# Mixtral: checkpoints keep the block at block_sparse_moe (transformers 5 calls it mlp), experts w1/w3/w2
+register_arch(ArchSpec("mixtral", ("mixtral",), moe=MoESpec(
+    block="mlp", stored=("block_sparse_moe", "mlp"), num_experts="num_local_experts",
+    intermediate="intermediate_size", linears=("w1", "w3", "w2"), renormalize=True)))
 
 
 def arch_for(config) -> ArchSpec:

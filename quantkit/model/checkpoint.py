@@ -72,15 +72,22 @@ class LazyCheckpoint:
 
 
 def build_skeleton(folder: Path, dtype: str, trust_remote_code: bool = False):
-    """Module tree with parameters on the meta device (buffers such as rotary tables are real)."""
+    """Module tree with parameters on the meta device (buffers such as rotary tables are real), its
+    sparse blocks (mixture of experts) unfused into one Linear per expert as the checkpoint stores them."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.model.arch import ARCHS
+    from quantkit.model.moe import unfuse_experts
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
                                                  trust_remote_code=trust_remote_code)
     model.eval()
+    arch = ARCHS.get(getattr(config, "model_type", None))
+    if arch is not None and arch.moe is not None:
+        unfuse_experts(model, arch, LazyCheckpoint(folder).keys())
     return model
 
 

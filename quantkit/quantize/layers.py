@@ -105,24 +105,24 @@ class GroupInputs:
 
 
 def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], job: Job,
-                   obs: Observations | None) -> list[ModuleResult]:
+                   obs: Observations | None, method_name: str | None = None) -> list[ModuleResult]:
     """Quantize one sequential group in place (weights replaced by their dequantized values), each member
-    through its target's registered quantizer. `obs`: what the group's calibration inputs taught (None:
-    weights only, no calibration)."""
+    through its target's registered quantizer (or `method_name`'s: an expert's fallback). `obs`: what the
+    group's calibration inputs taught (None: weights only, no calibration)."""
     out: list[ModuleResult] = []
     by_stage: dict[int, list[Target]] = {}
     for t in members:
         by_stage.setdefault(t.stage, []).append(t)
     obs = obs or Observations()
     for si, targets in by_stage.items():
-        method = QUANTIZERS[targets[0].method]
+        method = QUANTIZERS[method_name or targets[0].method]
         mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
         if method.needs == "hessian" and obs.hessian is None:
             raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
         pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, job.recipe.stages[si], job)
         for t, m, q, sec in zip(targets, mods, pieces, seconds):
             w = m.weight.detach().float()
-            stats = {"stage": si, "method": t.method, "scheme": t.scheme.name,
+            stats = {"stage": si, "method": method.name, "scheme": t.scheme.name,
                      "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(sec, 4),
                      **q.stats}
             if obs.hessian is not None:  # exact over every calibration token
@@ -161,6 +161,51 @@ def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: J
                                                               global_scale=t[5]))
         seconds.append(extra["seconds"])
     return pieces, seconds
+
+
+class _ExpertCalibration:
+    """The experts of one sparse layer during its calibration forward (quantkit/model/moe.py).
+
+    Each expert's Linears see the tokens routed to them. By the time the first expert group is quantized
+    every chunk has passed the router, so each expert's routed token count over the whole batch is known.
+    An expert under `calibration.moe.min_tokens` takes the fallback: `all_tokens` quantizes its gate/up with
+    the Hessian of every token entering the block and makes the chunks feed its down_proj every token (its
+    output still counts only for the routed ones); `rtn` rounds it to nearest. Its stats record the count
+    and the calibration it got; the manifest carries them.
+    """
+
+    def __init__(self, layer: nn.Module, plan: LayerPlan, job: Job):
+        from quantkit.model.moe import RoutingObserver
+
+        if job.ranks.world > 1:
+            raise ConvertError(f"{plan.prefix}{plan.moe}: mixture-of-experts layers are calibrated in one process "
+                               "for now; run this conversion without --nproc")
+        self.layer, self.plan, self.job = layer, plan, job
+        self.cfg = job.recipe.calibration.moe
+        self.block = layer.get_submodule(plan.moe)
+        self.block.observer = RoutingObserver(self.block.num_experts, self.cfg.fallback == "all_tokens")
+        self.how: dict[int, str] = {}
+
+    def quantize(self, g: int, members: list[Target], obs: Observations) -> list[ModuleResult]:
+        expert, role = self.plan.experts[g]
+        tokens = int(self.block.observer.counts[expert])
+        if expert not in self.how:
+            self.how[expert] = "routed" if tokens >= self.cfg.min_tokens else self.cfg.fallback
+        how, method = self.how[expert], None
+        if how == "all_tokens":
+            if role == "gate_up":
+                obs = Observations(hessian=self.block.observer.all_token_hessian())
+                self.block.observer.all_token_experts.add(expert)
+            # down: the chunks already fed it every token (all_token_experts was set at gate/up)
+        elif how == "rtn":
+            method, obs = "rtn", Observations(sample=obs.sample)
+        results = quantize_group(self.layer, self.plan.prefix, members, self.job, obs, method)
+        for r in results:
+            r.stats.update({"expert": expert, "expert_tokens": tokens, "expert_calibration": how})
+        if how != "routed" and role == "gate_up":
+            log.info("%s%s.experts.%d: %d routed calibration tokens (< %d): %s", self.plan.prefix, self.plan.moe,
+                     expert, tokens, self.cfg.min_tokens, how)
+        return results
 
 
 class _Chunk(greenlet.greenlet):
@@ -241,6 +286,7 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
             if t.scheme.activations is not None:
                 handles.append(layer.get_submodule(t.name[len(plan.prefix):]).register_forward_pre_hook(
                     activation_pre_hook(t.scheme.activations)))
+    experts = _ExpertCalibration(layer, plan, job) if plan.moe is not None else None
     chunks = [_Chunk(layer, h, kw) for h, kw in pieces]
     out = torch.empty_like(hidden)
     grad = torch.is_grad_enabled()
@@ -249,8 +295,12 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
         for g, members in enumerate(plan.groups):
             for c in chunks:
                 c.step()  # to group g's input
-            results += quantize_group(layer, plan.prefix, members, job, inputs[g].observations())
-            inputs[g] = None
+            obs = inputs[g].observations()
+            if experts is not None and g in plan.experts:
+                results += experts.quantize(g, members, obs)
+            else:
+                results += quantize_group(layer, plan.prefix, members, job, obs)
+            inputs[g] = obs = None
         row = 0
         for c in chunks:
             c.step()  # to the end of the layer
@@ -262,6 +312,8 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
             c.abort()
         for h in handles:
             h.remove()
+        if experts is not None:
+            experts.block.observer = None
         torch.set_grad_enabled(grad)
     for r in results:  # diagnostics and folded float tensors travel with the target
         if r.name in smoothed:
