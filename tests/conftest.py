@@ -80,7 +80,7 @@ TINY_CONFIGS = {
 
 
 def make_tiny_model(folder: Path, model_type: str = "llama", seed: int = 0, layers: int | None = None,
-                    hidden: int | None = None) -> Path:
+                    hidden: int | None = None, overrides: dict | None = None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -91,6 +91,7 @@ def make_tiny_model(folder: Path, model_type: str = "llama", seed: int = 0, laye
     if hidden is not None:
         kw["hidden_size"] = hidden
         kw["intermediate_size"] = hidden * 2
+    kw.update(overrides or {})
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=512,
                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id, **kw)

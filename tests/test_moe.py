@@ -208,3 +208,29 @@ def test_moe_settings_are_checked():
     with pytest.raises((RecipeError, ValueError), match="fallback"):
         parse_recipe({"name": "x", "model": {"path": "m"}, "stages": [{"method": "rtn", "scheme": "W8A16"}],
                       "calibration": {"sources": [{"type": "text", "path": "*.txt"}], "moe": {"fallback": "skip"}}})
+
+
+def test_preflight_small_model_keeps_sparse_and_dense_layers_apart(tmp_path):
+    """Qwen3-MoE with a dense layer: the pre-flight's small model has one sparse and one dense layer, in the
+    order of the plan's layouts, with every expert of the real config."""
+    from quantkit.engine import preflight as pf
+    from quantkit.model.arch import arch_for
+    from quantkit.model.checkpoint import build_skeleton
+    from quantkit.plan import make_plan
+
+    model_dir = make_tiny_model(tmp_path / "q", "qwen3_moe", overrides={"mlp_only_layers": [0]})
+    r = parse_recipe(tiny_recipe(model_dir, None, [{"method": "rtn", "scheme": "W8A16"}]))
+
+    def plan_of(folder, recipe):
+        m = build_skeleton(folder, "bfloat16")
+        return make_plan(m, arch_for(m.config), recipe)
+
+    plan = plan_of(model_dir, r)
+    assert plan.layers[0].moe is None and plan.layers[1].moe == "mlp"
+    layouts = pf.layer_layouts(plan)
+    dense = [j for j, lay in enumerate(layouts) if not any(".experts." in n for n in lay)]
+    assert dense == [0]
+    small = pf.build_small_model(model_dir, len(layouts), tmp_path / "small", "bfloat16", dense)
+    splan = plan_of(small, parse_recipe(pf.small_recipe(r, small, layouts, "model.layers")))
+    assert [{t.name[len(lp.prefix):] for t in lp.targets} for lp in splan.layers] == [set(lay) for lay in layouts]
+    assert sum(".experts." in n for n in layouts[1]) == 3 * 8

@@ -114,8 +114,10 @@ def small_recipe(recipe, model_dir: Path, layouts: list[dict[str, int]], layers_
                                            "compute_dtype": "float32"}, "stages": stages}
 
 
-def build_small_model(model_dir: Path, layers: int, dest: Path, dtype: str) -> Path:
-    """The real model's config with `layers` decoder layers and seeded random weights, and its tokenizer."""
+def build_small_model(model_dir: Path, layers: int, dest: Path, dtype: str, dense: list[int] | None = None) -> Path:
+    """The real model's config with `layers` decoder layers and seeded random weights, and its tokenizer.
+    `dense`: for a mixture-of-experts model with dense layers (Qwen3-MoE's mlp_only_layers), the small
+    model's layers that are dense, so each layout lands on a layer of its kind."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -123,11 +125,13 @@ def build_small_model(model_dir: Path, layers: int, dest: Path, dtype: str) -> P
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types)[:layers]
+    if dense is not None and hasattr(config, "mlp_only_layers"):
+        config.mlp_only_layers = list(dense)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # 3-D: transformers' fused experts
                 p.normal_(0, 0.02)
     dest.mkdir(parents=True, exist_ok=True)
     model.to(getattr(torch, dtype)).save_pretrained(dest, safe_serialization=True)
@@ -150,7 +154,8 @@ def format_signature(recipe, layouts: list[dict[str, int]], config: dict) -> dic
             schemes[si] = {"scheme": s.name, "weights": vars(s.weights), "acts": s.activations is not None,
                            "format": s.format}
     arch_keys = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "num_experts",
+                 "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
     return {"layouts": [sorted(lay.items()) for lay in layouts], "schemes": schemes,
             "architecture": {k: config.get(k) for k in arch_keys}}
 
@@ -220,7 +225,8 @@ def _load_small(recipe, model_dir: Path, arch, layouts, log_dest: Path) -> tuple
 
     with tempfile.TemporaryDirectory(prefix="quantkit-preflight-") as tmp:
         tmp = Path(tmp)
-        small = build_small_model(model_dir, len(layouts), tmp / "float", recipe.model.dtype)
+        dense = [j for j, lay in enumerate(layouts) if not any(".experts." in n for n in lay)] if arch.moe else None
+        small = build_small_model(model_dir, len(layouts), tmp / "float", recipe.model.dtype, dense)
         data = small_recipe(recipe, small, layouts, arch.layers)
         export = convert(parse_recipe(data, "pre-flight recipe"), tmp / "export", quiet=True, preflight="off")
         qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
