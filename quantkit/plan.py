@@ -142,6 +142,11 @@ def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
         if block is not None:
             plan.moe = next(n for n, m in layers[li].named_children() if m is block)
             _refuse_router(recipe, prefix + plan.moe + "." + block.router_name)
+            qat = [si for si, st in enumerate(recipe.stages) if st.method == "qat"]
+            if qat:
+                raise ConvertError(f"recipe {recipe.name!r} stages[{qat[0]}]: QAT does not run on mixture-of-experts "
+                                   "models yet (its student is transformers' model, whose experts are fused); use "
+                                   "post-training stages (gptq, rtn, awq, smoothquant) for this model")
             expert_groups = [g for g in groups if g[0].startswith(plan.moe + ".experts.")]
             plan.fused = [g for g in groups if len(g) > 1 and g not in expert_groups]
             plan.fused.append(tuple(n for g in expert_groups for n in g))

@@ -202,6 +202,13 @@ def test_router_is_refused_by_name_and_experts_keep_one_scheme(moe_model, calib_
     assert not (tmp_path / "b").exists()
 
 
+def test_qat_is_refused_plainly_on_moe(moe_model, calib_text, tmp_path):
+    family, model_dir = moe_model
+    data = tiny_recipe(model_dir, calib_text, [{"method": "qat", "scheme": "W4A16", "group_size": 32, "steps": 4, "warmup_steps": 1}])
+    with pytest.raises(ConvertError, match=r"stages\[0\]: QAT does not run on mixture-of-experts"):
+        api.convert(parse_recipe(data), tmp_path / "q", quiet=True)
+
+
 def test_moe_settings_are_checked():
     from quantkit.recipe import RecipeError
 
