@@ -135,9 +135,15 @@ def artifact_kv_cache(model_dir, device: str = "cpu") -> dict | None:
     head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // cfg["num_attention_heads"]
                                        if cfg.get("hidden_size") and cfg.get("num_attention_heads") else None)
     ok, why = kv_cache_can_run(scheme, head_dim, device)
-    if ok:
-        args = {"kv_cache_dtype": "fp8"}
-    else:
-        args = {"hf_overrides": json.dumps({"quantization_config": {k: v for k, v in qc.items()
-                                                                     if k != "kv_cache_scheme"}})}
-    return {"scheme": scheme, "servable": ok, "reason": why, "engine_args": args}
+    return {"scheme": scheme, "servable": ok, "reason": why,
+            "engine_args": {"kv_cache_dtype": "fp8"} if ok else without_kv_cache(qc)}
+
+
+def without_kv_cache(quantization_config: dict) -> dict:
+    """vLLM settings that serve an export with the model-dtype KV cache although its config declares a
+    kv_cache_scheme (vLLM turns `auto` into fp8 for such a checkpoint): the quantization config without the
+    scheme, as hf_overrides (JSON); the k/v scale tensors are then left unread."""
+    import json
+
+    return {"hf_overrides": json.dumps({"quantization_config": {k: v for k, v in quantization_config.items()
+                                                                 if k != "kv_cache_scheme"}})}
