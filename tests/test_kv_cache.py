@@ -266,7 +266,7 @@ def test_report_says_what_the_kv_cache_was(tmp_path):
 
     r = {"kv_cache": {"candidate": {"scheme": TENSOR, "fp8_cache_served": False, "reason": "because X"}}}
     text = "\n".join(_kv_cache_lines(r))
-    assert "**not** served with the FP8 cache" in text and "because X" in text and "strategy tensor" in text
+    assert "**not** served with the FP8 cache here, so the figures of this report do not include it" in text and "because X" in text and "strategy tensor" in text
     assert _kv_cache_lines({"kv_cache": {}}) == []
 
 

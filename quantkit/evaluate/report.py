@@ -278,7 +278,8 @@ def _kv_cache_lines(r: dict) -> list[str]:
     L = []
     for role, kv in (r.get("kv_cache") or {}).items():
         scheme = kv.get("scheme") or {}
-        how = {True: "served with the FP8 (e4m3) cache", False: "**not** served with the FP8 cache",
+        how = {True: "served with the FP8 (e4m3) cache (kv_cache_dtype fp8)",
+               False: "**not** served with the FP8 cache here, so the figures of this report do not include it",
                None: "as the suite's engine_args set it"}[kv.get("fp8_cache_served")]
         L.append(f"KV cache of the {role}: the export declares an FP8 KV-cache scheme (strategy "
                  f"{scheme.get('strategy')}, static scales); {how}: {kv.get('reason')}. kv_cache_tokens is the "

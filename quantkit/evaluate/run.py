@@ -331,8 +331,8 @@ def _kv_cache_settings(side: _Side, engine_args: dict, progress) -> dict:
     else:
         note = (f"NOT served with the FP8 KV cache here: {kv['reason']}. The candidate runs with the model-dtype "
                 "cache, so its KV-cache capacity, quality and speed figures do not include the FP8 cache")
-    side.data["kv_cache"] = {"scheme": kv["scheme"], "fp8_cache_served": served, "reason": note,
-                             "engine_args": args or user}
+    side.data["kv_cache"] = {"scheme": kv["scheme"], "fp8_cache_served": served,
+                             "reason": note if user else kv["reason"], "engine_args": args or user}
     progress(f"[{side.role}] KV cache: {note}")
     return args
 
