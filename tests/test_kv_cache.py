@@ -228,17 +228,18 @@ def test_capability_follows_vllm_cpus_attention_backend(cpu):
     assert kv_cache_can_run(TENSOR, 48, device="cuda")[0]
 
 
-def _artifact_config(folder: Path, head_dim: int, kv: dict | None) -> Path:
+def _artifact_config(folder: Path, head_dim: int, kv: dict | None, dtype: str = "bfloat16") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     qc = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}
     if kv:
         qc["kv_cache_scheme"] = kv
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4 * head_dim,
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4 * head_dim, "dtype": dtype,
                                                     "num_attention_heads": 4, "quantization_config": qc}))
     return folder
 
 
 def test_eval_serves_the_fp8_cache_where_it_can_and_says_so_where_not(cpu, tmp_path):
+    from quantkit.engine import EngineError
     from quantkit.evaluate.run import _kv_cache_settings, _Side
 
     said = []
@@ -246,13 +247,21 @@ def test_eval_serves_the_fp8_cache_where_it_can_and_says_so_where_not(cpu, tmp_p
     side = _Side("candidate", _artifact_config(tmp_path / "a", 64, TENSOR), None)
     assert _kv_cache_settings(side, {}, said.append) == {"kv_cache_dtype": "fp8"}
     assert side.data["kv_cache"]["fp8_cache_served"] is True
-    cpu(AVX2)
+    cpu(AVX2)  # no FP8 cache: a bf16 engine gets an explicit bf16 cache (vLLM would pick fp8 for `auto`)
     side = _Side("candidate", tmp_path / "a", None)
-    args = _kv_cache_settings(side, {}, said.append)
-    qc = json.loads(args["hf_overrides"])["quantization_config"]  # vLLM would switch to fp8 by itself otherwise
-    assert "kv_cache_scheme" not in qc and qc["quant_method"] == "compressed-tensors"
+    assert _kv_cache_settings(side, {}, said.append, "bfloat16") == {"kv_cache_dtype": "bfloat16"}
     assert side.data["kv_cache"]["fp8_cache_served"] is False
     assert "NOT served with the FP8 KV cache here" in said[-1] and "AVX-512 or AMX" in said[-1]
+    side = _Side("candidate", tmp_path / "a", None)  # float32 engine, per-tensor: the scheme taken out
+    args = _kv_cache_settings(side, {}, said.append, "float32")
+    qc = json.loads(args["hf_overrides"])["quantization_config"]
+    assert "kv_cache_scheme" not in qc and qc["quant_method"] == "compressed-tensors"
+    head = _artifact_config(tmp_path / "h", 64, {**TENSOR, "strategy": "attn_head"})
+    assert _kv_cache_settings(_Side("candidate", head, None), {}, said.append, "bfloat16") == {"kv_cache_dtype": "bfloat16"}
+    with pytest.raises(EngineError):  # auto on this CPU (no native bf16) is a float32 engine
+        _kv_cache_settings(_Side("candidate", head, None), {}, said.append, "auto")
+    with pytest.raises(EngineError, match="no setting serves per-head"):  # float32 + per-head: vLLM refuses the shapes
+        _kv_cache_settings(_Side("candidate", head, None), {}, said.append, "float32")
     cpu(AMX)  # a suite that sets the cache itself wins
     side = _Side("candidate", tmp_path / "a", None)
     assert _kv_cache_settings(side, {"kv_cache_dtype": "bfloat16"}, said.append) == {}

@@ -70,8 +70,9 @@ def test_vllm_serves_the_fp8_cache_with_the_exported_scales(tmp_path, calib_text
         assert v_loaded == pytest.approx(exported[f"model.layers.{i}.self_attn.v_scale"].max().item(), rel=1e-6)
     fp8_tokens = parse_engine_log(p.stdout + p.stderr)["kv_cache_tokens"]
 
-    # the eval's fallback where the FP8 cache cannot run: the same export, the scheme taken out (hf_overrides)
-    args = without_kv_cache(json.loads((out / "config.json").read_text())["quantization_config"])
+    # the eval's fallback where the FP8 cache cannot run (bf16 engine): the same export, a bf16 cache
+    args, _ = without_kv_cache(json.loads((out / "config.json").read_text())["quantization_config"], "bfloat16")
+    assert args == {"kv_cache_dtype": "bfloat16"}
     with VLLMServer(out, tmp_path / "serve", "candidate", engine_args=args, max_model_len=256, kv_cache_gib=1,
                     ready_timeout_s=600) as ep:
         import httpx

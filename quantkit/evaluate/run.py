@@ -255,7 +255,7 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         d["reference"] = _reference(side, spec, tokenizer, progress)
         timings["reference_s"] = time.perf_counter() - t
 
-    kv_args = _kv_cache_settings(side, {**spec.engine_args, **(extra_args or {})}, progress)
+    kv_args = _kv_cache_settings(side, {**spec.engine_args, **(extra_args or {})}, progress, spec.dtype)
     if side.url:
         engine = ENGINES["openai"](side.url, model=served_model, tokenizer_dir=tok_dir)
     else:  # the reference is computed here while the engine boots (its imports leave a core idle)
@@ -308,16 +308,16 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
     atomic_write_json(output / "raw" / f"{side.role}.json", d)
 
 
-def _kv_cache_settings(side: _Side, engine_args: dict, progress) -> dict:
+def _kv_cache_settings(side: _Side, engine_args: dict, progress, engine_dtype: str = "auto") -> dict:
     """The engine settings for a model whose export carries an FP8 KV-cache scheme (quantkit/engine/capability.py
     artifact_kv_cache): the fp8 cache where this machine serves it, else the model-dtype cache, said plainly.
     Recorded in side.data["kv_cache"]; a kv_cache_dtype or hf_overrides the suite sets itself wins."""
     from quantkit.engine.capability import artifact_kv_cache
-    from quantkit.engine.vllm_server import _device
+    from quantkit.engine.vllm_server import _device, resolve_dtype
 
     if side.url or side.model_dir is None:
         return {}
-    kv = artifact_kv_cache(side.model_dir, _device())
+    kv = artifact_kv_cache(side.model_dir, _device(), resolve_dtype(engine_dtype)[0])
     if kv is None:
         return {}
     user = {k: engine_args[k] for k in ("kv_cache_dtype", "hf_overrides") if k in engine_args}
@@ -328,6 +328,9 @@ def _kv_cache_settings(side: _Side, engine_args: dict, progress) -> dict:
         note = f"the suite's engine_args set {user}: quantkit leaves the KV cache as they say"
     elif kv["servable"]:
         note = f"served with kv_cache_dtype fp8: {kv['reason']}"
+    elif args is None:
+        raise EngineError(f"{side.model_dir}: its FP8 KV cache cannot be served here, nor the export without it: "
+                          f"{kv['reason']}")
     else:
         note = (f"NOT served with the FP8 KV cache here: {kv['reason']}. The candidate runs with the model-dtype "
                 "cache, so its KV-cache capacity, quality and speed figures do not include the FP8 cache")
