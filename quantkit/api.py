@@ -44,7 +44,7 @@ def inspect(folder: str | Path) -> dict:
 def capability(artifacts: list[str | Path] = ()) -> dict:
     """What this machine and engine can serve, and why: the hardware line, the engine's version and, per
     artifact folder, whether vLLM can serve it here (decided without starting an engine)."""
-    from quantkit.engine.capability import artifact_can_run
+    from quantkit.engine.capability import artifact_can_run, artifact_kv_cache
     from quantkit.engine.vllm_server import resolve_dtype, vllm_version
     from quantkit.hardware import hardware
 
@@ -59,6 +59,9 @@ def capability(artifacts: list[str | Path] = ()) -> dict:
             raise FileNotFoundError(f"{a}: no config.json; pass an exported artifact or model folder")
         ok, reason = artifact_can_run(path, device)
         out["artifacts"][str(path)] = {"servable": ok, "reason": reason or "every config group has a kernel here"}
+        kv = artifact_kv_cache(path, device)
+        if kv is not None:  # the FP8 KV cache is served or not on its own; the weights decide servable
+            out["artifacts"][str(path)]["kv_cache"] = {"fp8_cache": kv["servable"], "reason": kv["reason"]}
     return out
 
 

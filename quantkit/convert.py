@@ -85,6 +85,7 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     from quantkit.model.integrity import verify_model_folder
     from quantkit.model.sources import load_tokenizer, resolve_model_dir
     from quantkit.plan import make_plan
+    from quantkit.quantize.kvcache import attention_path
     from quantkit.quantize.layers import Job, process_layers
     from quantkit.quantize.workdir import WorkDir
 
@@ -127,7 +128,7 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
                 log.info("%d processes: calibration chunks and solves split across ranks", ranks.world)
                 share([torch.tensor([start])], 0, ranks)  # the others resume where rank 0 does
             job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
-                      ranks=ranks)
+                      ranks=ranks, kv_attention=attention_path(arch))
             process_layers(model, arch, source, plan, job, work, start, calib.input_ids if calib else None, device, quiet)
             leave()  # the other ranks are done: QAT and the export are rank 0's
 
@@ -167,12 +168,13 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
 def _convert_rank(recipe: Recipe, model, arch, plan, source, calib, partial: Path, compute: str, device, ranks: Ranks,
                   on_weight) -> Path:
     """A rank other than 0: its share of the layer pipeline (rank 0 locks, writes and exports)."""
+    from quantkit.quantize.kvcache import attention_path
     from quantkit.quantize.layers import Job, process_layers
     from quantkit.quantize.workdir import WorkDir
 
     start = int(share(None, 0, ranks)[0].item())
     job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
-              ranks=ranks)
+              ranks=ranks, kv_attention=attention_path(arch))
     process_layers(model, arch, source, plan, job, WorkDir(partial / "work"), start,
                    calib.input_ids if calib else None, device, quiet=True)
     leave()

@@ -103,6 +103,17 @@ Stage = Annotated[Union[tuple(STAGE_CLASSES.values())], Field(discriminator="met
 METHODS = tuple(STAGE_CLASSES)
 
 
+# ----------------------------------------------------------------------------------------- kv cache
+class KVCacheSpec(Strict):
+    """Quantize the engine's KV cache: static k/v scales calibrated in the layer-wise pass, exported as
+    compressed-tensors' `kv_cache_scheme` and per-layer `self_attn.k_scale` / `v_scale` tensors."""
+
+    scheme: Literal["FP8"] = Field(description="FP8: e4m3 cache entries, scale = amax / 448 (the only one for now)")
+    strategy: Literal["tensor", "head"] = Field(
+        "tensor", description="tensor: one k and one v scale per layer; head: one per KV head (compressed-tensors "
+                              "strategy attn_head)")
+
+
 # ------------------------------------------------------------------------------------------- export
 class ExportSpec(Strict):
     format: Literal["compressed-tensors"] = "compressed-tensors"
@@ -267,6 +278,7 @@ class Recipe(Strict):
     model: ModelSpec
     calibration: CalibrationSpec | None = None
     stages: list[Stage] = Field(min_length=1)
+    kv_cache: KVCacheSpec | None = Field(None, description="quantize the KV cache (absent: the engine's default)")
     export: ExportSpec = Field(default_factory=ExportSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     gates: list[GateSpec] = Field(default_factory=list)
@@ -310,6 +322,28 @@ class Recipe(Strict):
         if st is not None and st.warmup_steps >= st.steps:
             raise ValueError(f"stages[{qat[0]}].warmup_steps: {st.warmup_steps} must be below steps ({st.steps})")
         return self
+
+    @model_validator(mode="after")
+    def _kv_cache_needs_data(self) -> "Recipe":
+        if self.kv_cache is None:
+            return self
+        if self.calibration is None:
+            raise ValueError("kv_cache: FP8 k/v scales are calibrated from the keys and values the attention sees, "
+                             "so the recipe needs calibration data: add a `calibration:` section (e.g. sources: "
+                             "[{type: builtin, name: prose}]), or remove kv_cache")
+        if any(st.method == "qat" for st in self.stages):
+            raise ValueError("kv_cache: the k/v scales are calibrated in the quantizing pass, and a qat stage changes "
+                             "k_proj / v_proj after it (the scales would not fit the trained weights); remove the "
+                             "qat stage or kv_cache")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_kv_cache(self, handler):
+        # a recipe without kv_cache dumps as before, so recipe hashes (and resumable work folders) stay valid
+        data = handler(self)
+        if isinstance(data, dict) and data.get("kv_cache", ...) is None:
+            data.pop("kv_cache")
+        return data
 
     def with_absolute_paths(self, base: Path | None = None) -> "Recipe":
         """A copy whose local paths are absolute, relative ones taken against `base` (default: the working

@@ -105,6 +105,10 @@ def capability(artifacts: Annotated[Optional[list[Path]], typer.Argument(help="A
         typer.echo(f"eval dtype: {cap['eval_dtype']['dtype']} ({cap['eval_dtype']['reason']})")
         for path, a in cap["artifacts"].items():
             typer.echo(f"{path}: {'servable' if a['servable'] else 'NOT servable'}: {a['reason']}")
+            if "kv_cache" in a:
+                kv = a["kv_cache"]
+                typer.echo(f"  KV cache: {'fp8' if kv['fp8_cache'] else 'model dtype (the FP8 cache cannot run here)'}: "
+                           f"{kv['reason']}")
     raise typer.Exit(0 if all(a["servable"] for a in cap["artifacts"].values()) else 1)
 
 

@@ -9,6 +9,14 @@ bf16 (quantkit.engine.vllm_server.resolve_dtype), so W4A16 needs AVX-512 with av
 On AMX vLLM's default int4 path (VLLM_CPU_INT4_W4A8=1) also quantizes the activations to int8 per
 token: it serves W4A8 (benchmarks/engine_numerics.py measures it), and quantkit eval measures that.
 FP8 weights have no CPU kernel at all (a torch fallback that does not finish a prefill in time): refused.
+
+An FP8 KV cache (a checkpoint's compressed-tensors `kv_cache_scheme` with static k/v scales) is a separate
+question (`kv_cache_can_run`): vllm-cpu 0.32's attention backend (CPU_ATTN) stores e4m3 cache entries with
+the checkpoint's scales on x86 with AVX-512 or AMX, for head sizes divisible by 32 (its vec16 path, taken
+for other head sizes, has no FP8), and refuses otherwise ("FP8 KV cache on CPU requires x86 with AVX-512
+or AMX."). Its kernels take one float scale per layer: a per-head (attn_head) checkpoint loads, and the
+layer's largest head scale is used for every head. Measured here: tests/test_kv_cache_slow.py serves an
+export with it and reads back the scales the engine loaded.
 """
 
 from __future__ import annotations
@@ -82,3 +90,75 @@ def recipe_can_run(recipe, device: str = "cpu") -> tuple[bool, str]:
         if not ok:
             return False, f"stages[{i}] ({name}): {why}"
     return True, ""
+
+
+def kv_cache_can_run(kv_scheme: dict | None, head_dim: int | None, device: str = "cpu") -> tuple[bool, str]:
+    """(ok, reason) for serving a checkpoint's FP8 KV cache (quantization_config.kv_cache_scheme) with its
+    scales. `head_dim`: the model's attention head size. ok with a note where it serves with a caveat."""
+    if not kv_scheme:
+        return False, "the checkpoint declares no kv_cache_scheme"
+    if kv_scheme.get("type") != "float" or kv_scheme.get("num_bits") != 8 or not kv_scheme.get("symmetric"):
+        return False, (f"vLLM reads only symmetric 8-bit float KV-cache schemes (this one: type "
+                       f"{kv_scheme.get('type')}, {kv_scheme.get('num_bits')} bits, symmetric {kv_scheme.get('symmetric')})")
+    if kv_scheme.get("strategy") not in ("tensor", "attn_head"):
+        return False, f"vLLM reads KV-cache strategies tensor and attn_head only (this one: {kv_scheme.get('strategy')})"
+    if device != "cpu":
+        return True, "fp8 KV cache with the checkpoint's scales (GPU; not measured on this machine)"
+    flags = hardware.cpu_flags()
+    if "avx512f" not in flags and not flags & {"amx_tile", "amx_bf16"}:
+        return False, ("vllm-cpu 0.32's attention backend stores an FP8 KV cache only on x86 CPUs with AVX-512 or "
+                       "AMX (\"FP8 KV cache on CPU requires x86 with AVX-512 or AMX.\"); this CPU has neither")
+    if head_dim is not None and head_dim % 32:
+        return False, (f"vllm-cpu 0.32's attention backend stores an FP8 KV cache only for head sizes divisible by 32 "
+                       f"(\"FP8 KV cache requires head_size divisible by 32 on CPU.\"); this model's is {head_dim}")
+    if kv_scheme.get("strategy") == "attn_head":
+        return True, ("fp8 (e4m3) KV cache with the checkpoint's scales; vllm-cpu's kernels take one scale per layer, "
+                      "so each layer's largest head scale is used for all its heads")
+    return True, "fp8 (e4m3) KV cache with the checkpoint's per-layer scales"
+
+
+def artifact_kv_cache(model_dir, device: str = "cpu", engine_dtype: str = "auto") -> dict | None:
+    """What serving an export's KV cache takes here: None when its config declares no kv_cache_scheme, else
+    {"scheme", "servable", "reason", "engine_args"}: the vLLM settings that serve it with the FP8 cache
+    (kv_cache_dtype fp8) or, where that cannot run, without it (`without_kv_cache`; None where no setting
+    can, the reason says why). `engine_dtype`: the engine's --dtype (auto = the checkpoint's)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    qc = cfg.get("quantization_config") or {}
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
+        return None
+    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // cfg["num_attention_heads"]
+                                       if cfg.get("hidden_size") and cfg.get("num_attention_heads") else None)
+    ok, why = kv_cache_can_run(scheme, head_dim, device)
+    if ok:
+        return {"scheme": scheme, "servable": True, "reason": why, "engine_args": {"kv_cache_dtype": "fp8"}}
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") if engine_dtype == "auto" else engine_dtype
+    args, how = without_kv_cache(qc, dtype)
+    return {"scheme": scheme, "servable": False, "reason": f"{why}; {how}", "engine_args": args}
+
+
+def without_kv_cache(quantization_config: dict, dtype: str | None) -> tuple[dict | None, str]:
+    """(vLLM settings, what they do) that serve an export with the model-dtype KV cache although its config
+    declares a kv_cache_scheme (for such a checkpoint vLLM turns kv_cache_dtype `auto` into fp8 by itself).
+
+    - engine dtype bfloat16 / float16: kv_cache_dtype set to it (vLLM lets an explicit choice win; the
+      scales load and go unused);
+    - float32 (no such cache dtype in vLLM) and per-tensor scales: the quantization config without the
+      scheme (hf_overrides); the [1]-shaped scales still load into vLLM's placeholders and go unused;
+    - float32 and per-head scales: none. Without the scheme vLLM makes one-element placeholders and refuses
+      the [heads, 1, 1] tensors ("Attempted to load weight (torch.Size([2, 1, 1])) into parameter
+      (torch.Size([1]))", measured by tests/test_kv_cache_slow.py)."""
+    import json
+
+    if dtype in ("bfloat16", "float16"):
+        return {"kv_cache_dtype": dtype}, f"served with a {dtype} KV cache instead (kv_cache_dtype {dtype})"
+    if (quantization_config.get("kv_cache_scheme") or {}).get("strategy") == "tensor":
+        qc = {k: v for k, v in quantization_config.items() if k != "kv_cache_scheme"}
+        return ({"hf_overrides": json.dumps({"quantization_config": qc})},
+                "served with the model-dtype KV cache instead (the kv_cache_scheme taken out by hf_overrides)")
+    return None, ("in float32 no setting serves per-head (attn_head) scales without the FP8 cache (vLLM "
+                  "refuses the [heads, 1, 1] scale tensors once the scheme is taken out); export with "
+                  "kv_cache.strategy tensor to evaluate here")

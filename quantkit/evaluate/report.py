@@ -105,6 +105,8 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
         "where_the_wait_is": {role: where_the_wait_is(side, role, kv_gib)
                               for role, side in (("baseline", baseline), ("candidate", candidate)) if side},
         "checks": _checks_summary(baseline, candidate),
+        "kv_cache": {role: (side or {}).get("kv_cache") for role, side in (("baseline", baseline), ("candidate", candidate))
+                     if (side or {}).get("kv_cache")},
         "variants": [_strip_records(v) for v in variants],
         "carried_over": context.get("carried_over"),
         "details": {"baseline": _strip_records(baseline), "candidate": _strip_records(candidate)},
@@ -271,6 +273,20 @@ def _checks_markdown(r: dict) -> list[str]:
     return L
 
 
+def _kv_cache_lines(r: dict) -> list[str]:
+    """What the KV cache of each side was: the export's FP8 scheme served or not, and why."""
+    L = []
+    for role, kv in (r.get("kv_cache") or {}).items():
+        scheme = kv.get("scheme") or {}
+        how = {True: "served with the FP8 (e4m3) cache (kv_cache_dtype fp8)",
+               False: "**not** served with the FP8 cache here, so the figures of this report do not include it",
+               None: "as the suite's engine_args set it"}[kv.get("fp8_cache_served")]
+        L.append(f"KV cache of the {role}: the export declares an FP8 KV-cache scheme (strategy "
+                 f"{scheme.get('strategy')}, static scales); {how}: {kv.get('reason')}. kv_cache_tokens is the "
+                 "engine's own figure for the same KV-cache memory on both sides.")
+    return L + [""] if L else []
+
+
 def render_markdown(r: dict) -> str:
     m = r["metrics"]
     a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
@@ -313,6 +329,7 @@ def render_markdown(r: dict) -> str:
     L += ["## Memory", ""]
     L += _table(m, ["memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens", "memory.peak_rss_bytes",
                     "memory.peak_pss_bytes", "memory.peak_gpu_bytes", "memory.gpu_util_mean"])
+    L += _kv_cache_lines(r)
     src = ((r["details"].get("candidate") or {}).get("memory") or {}).get("weight_bytes_source")
     if src:
         L += [f"Weight memory source: {src}. Peak RSS sums the engine's processes (shared pages counted in each); "

@@ -255,11 +255,13 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         d["reference"] = _reference(side, spec, tokenizer, progress)
         timings["reference_s"] = time.perf_counter() - t
 
+    kv_args = _kv_cache_settings(side, {**spec.engine_args, **(extra_args or {})}, progress, spec.dtype)
     if side.url:
         engine = ENGINES["openai"](side.url, model=served_model, tokenizer_dir=tok_dir)
     else:  # the reference is computed here while the engine boots (its imports leave a core idle)
         engine = ENGINES["vllm"](model_dir=side.model_dir, run_dir=output, served_name=side.role,
-                                 tokenizer_dir=side.model_dir, engine_args={**spec.engine_args, **(extra_args or {})},
+                                 tokenizer_dir=side.model_dir,
+                                 engine_args={**spec.engine_args, **kv_args, **(extra_args or {})},
                                  dtype=spec.dtype, max_model_len=spec.max_model_len, kv_cache_gib=spec.kv_cache_gib,
                                  ready_timeout_s=spec.ready_timeout_s,
                                  while_loading=(lambda: _leaving_a_core(reference)) if want_reference else None)
@@ -304,6 +306,38 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         reference()
     d["timings"] = timings
     atomic_write_json(output / "raw" / f"{side.role}.json", d)
+
+
+def _kv_cache_settings(side: _Side, engine_args: dict, progress, engine_dtype: str = "auto") -> dict:
+    """The engine settings for a model whose export carries an FP8 KV-cache scheme (quantkit/engine/capability.py
+    artifact_kv_cache): the fp8 cache where this machine serves it, else the model-dtype cache, said plainly.
+    Recorded in side.data["kv_cache"]; a kv_cache_dtype or hf_overrides the suite sets itself wins."""
+    from quantkit.engine.capability import artifact_kv_cache
+    from quantkit.engine.vllm_server import _device, resolve_dtype
+
+    if side.url or side.model_dir is None:
+        return {}
+    kv = artifact_kv_cache(side.model_dir, _device(), resolve_dtype(engine_dtype)[0])
+    if kv is None:
+        return {}
+    user = {k: engine_args[k] for k in ("kv_cache_dtype", "hf_overrides") if k in engine_args}
+    args = {} if user else kv["engine_args"]
+    served: bool | None = kv["servable"]
+    if user:
+        served = None  # what the suite's settings make of the scheme is theirs to say
+        note = f"the suite's engine_args set {user}: quantkit leaves the KV cache as they say"
+    elif kv["servable"]:
+        note = f"served with kv_cache_dtype fp8: {kv['reason']}"
+    elif args is None:
+        raise EngineError(f"{side.model_dir}: its FP8 KV cache cannot be served here, nor the export without it: "
+                          f"{kv['reason']}")
+    else:
+        note = (f"NOT served with the FP8 KV cache here: {kv['reason']}. The candidate runs with the model-dtype "
+                "cache, so its KV-cache capacity, quality and speed figures do not include the FP8 cache")
+    side.data["kv_cache"] = {"scheme": kv["scheme"], "fp8_cache_served": served,
+                             "reason": note if user else kv["reason"], "engine_args": args or user}
+    progress(f"[{side.role}] KV cache: {note}")
+    return args
 
 
 def _leaving_a_core(fn: Callable[[], None]) -> None:

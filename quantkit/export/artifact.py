@@ -25,6 +25,7 @@ from quantkit.export.shards import refs_from_checkpoint, write_shards
 from quantkit.io import atomic_write_json, peak_rss_bytes
 from quantkit.model.checkpoint import LazyCheckpoint
 from quantkit.plan import Plan
+from quantkit.quantize.kvcache import kv_cache_args
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -69,7 +70,9 @@ def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, pr
     replaced = {m + ".weight" for m in stats} | {r.name for r in produced_refs}
     kept = refs_from_checkpoint(source, [k for k in source.keys() if k not in replaced])
     write_shards(export_dir, kept + produced_refs, max_shard_bytes)
-    write_config(model_dir / "config.json", export_dir, quantization_config(plan.config_groups(), plan.unquantized))
+    recipe = manifest_facts["recipe"]
+    write_config(model_dir / "config.json", export_dir,
+                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(recipe.kv_cache)))
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, export_dir / name)

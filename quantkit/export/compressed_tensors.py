@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.compressors.model_compressors import ModelCompressor
-from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
 
 def compress_linear(prefix: str, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -38,10 +38,13 @@ def compress_linear(prefix: str, weight: torch.Tensor, scale: torch.Tensor, zero
     return {f"{prefix}.{k}": v.detach().cpu().contiguous().clone() for k, v in out.items()}  # own storage each
 
 
-def quantization_config(schemes: dict[str, QuantizationScheme], ignore: list[str]) -> ModelCompressor:
+def quantization_config(schemes: dict[str, QuantizationScheme], ignore: list[str],
+                        kv_cache_scheme: QuantizationArgs | None = None) -> ModelCompressor:
+    """`kv_cache_scheme`: the static FP8 KV-cache args (quantkit.quantize.kvcache.kv_cache_args), whose
+    per-layer k_scale / v_scale tensors the shards carry."""
     formats = sorted({s.format for s in schemes.values()})
     qc = QuantizationConfig(config_groups=schemes, format=formats[0] if len(formats) == 1 else "mixed-precision",
-                            quantization_status="compressed", ignore=ignore)
+                            quantization_status="compressed", ignore=ignore, kv_cache_scheme=kv_cache_scheme)
     return ModelCompressor(quantization_config=qc)
 
 

@@ -37,6 +37,11 @@ def file_table(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str
 def build_manifest(export_dir: Path, *, recipe, plan, stats: dict[str, dict], fmt: str, base_model: dict,
                    recipe_sha256: str, calibration: dict | None, conversion: dict, qat: dict | None = None) -> dict:
     """The manifest of a finished export folder (every file in it is listed with its sha256 and size)."""
+    from quantkit.quantize.kvcache import manifest_section
+
+    stats = {k: dict(v) for k, v in stats.items()}
+    qc = json.loads((export_dir / "config.json").read_text()).get("quantization_config") or {}
+    kv_cache = manifest_section(getattr(recipe, "kv_cache", None), qc.get("kv_cache_scheme"), stats)
     manifest = {
         "schema": SCHEMA,
         "name": recipe.name,
@@ -46,7 +51,8 @@ def build_manifest(export_dir: Path, *, recipe, plan, stats: dict[str, dict], fm
         "recipe_sha256": recipe_sha256,
         "calibration": calibration,
         "quantization": {"stages": [{"method": s.method, "scheme": s.scheme} for s in recipe.stages],
-                         "format": fmt, "modules_quantized": len(stats), "modules_kept": plan.unquantized},
+                         "format": fmt, "modules_quantized": len(stats), "modules_kept": plan.unquantized,
+                         **({"kv_cache": kv_cache} if kv_cache else {})},
         "layers": stats,
         "conversion": conversion,
         "versions": package_versions(),

@@ -69,8 +69,9 @@ class TransformScales:
 @dataclass
 class ModuleResult:
     """What the pipeline keeps of one quantized module: its typed quantization, the scheme it follows and
-    the manifest's stats. Float tensors a transform rewrote on the way (a folded norm weight, a bias)
-    travel with it in `rewritten`, under their parameter names. Compression into the export's format
+    the manifest's stats. Float tensors a transform rewrote on the way (a folded norm weight, a bias), and
+    the layer's calibrated KV-cache scales (`self_attn.k_scale` / `v_scale`, quantkit/quantize/kvcache.py),
+    travel with it in `rewritten`, under their checkpoint names. Compression into the export's format
     happens once, at export (quantkit/export/artifact.py)."""
 
     name: str

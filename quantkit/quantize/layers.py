@@ -34,6 +34,7 @@ from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
 from quantkit.quantize.contract import ModuleResult, Observations, QuantizedWeight
+from quantkit.quantize.kvcache import KVObserver
 from quantkit.quantize.methods import QUANTIZERS
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.quantize.workdir import WorkDir
@@ -62,6 +63,8 @@ class Job:
     on_weight: Callable[[str, torch.Tensor], None] | None = None
     # this process's place when the calibration is split across processes (quantkit/distributed.py)
     ranks: Ranks = SINGLE
+    # the decoder layer's attention module (local name) whose k/v a recipe's kv_cache calibrates
+    kv_attention: str = "self_attn"
 
 
 # ------------------------------------------------------------------------------------------ layer work
@@ -291,6 +294,9 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
     out = torch.empty_like(hidden)
     grad = torch.is_grad_enabled()
     torch.set_grad_enabled(False)  # for the chunks too: they run on this thread
+    # recipe kv_cache: k/v scales from the keys and values these (quantized-model) chunks feed attention
+    kv = (KVObserver.install(layer, plan.prefix, job.kv_attention, job.recipe.kv_cache.strategy, layout)
+          if job.recipe.kv_cache is not None else None)
     try:
         for g, members in enumerate(plan.groups):
             for c in chunks:
@@ -314,7 +320,16 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
             h.remove()
         if experts is not None:
             experts.block.observer = None
+        if kv is not None:
+            kv.remove()
         torch.set_grad_enabled(grad)
+    if kv is not None:  # the scales travel with the layer's first result into the work folder and the export
+        if not results:
+            raise ConvertError(f"layer {plan.index}: kv_cache needs at least one quantized module in every layer "
+                               "to carry the layer's k/v scales; this layer has none (check stages' targets/ignore)")
+        scales, kv_stats = kv.finish()
+        results[0].rewritten.update(scales)
+        results[0].stats["kv_cache"] = kv_stats
     for r in results:  # diagnostics and folded float tensors travel with the target
         if r.name in smoothed:
             r.stats["smoothing"] = smoothed[r.name].smoothing

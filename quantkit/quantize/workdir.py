@@ -4,7 +4,8 @@
 A layer file holds, per quantized module, its codes (`<module>.codes`: int8 for integer schemes, e4m3 for
 fp8), `<module>.scale` (fp32, holding values exact in the storage dtype), `<module>.zero_point` (int8,
 asymmetric only) and `<module>.g_idx` (int32, only when the export carries it), plus the float tensors a
-transform rewrote under their parameter names. This is the internal form every later step reads (QAT
+transform rewrote under their parameter names and, with a recipe `kv_cache`, the layer's fp32 k/v-cache
+scales under their export names (`...self_attn.k_scale`), which the export passes through. This is the internal form every later step reads (QAT
 starts from it and writes it back); only the export compresses it, once, into compressed-tensors.
 
 Every file is written under a temporary name and renamed, and state.json moves on only after a layer's

@@ -1,0 +1,172 @@
+"""FP8 KV-cache scales, calibrated in the layer-wise pass (recipe `kv_cache:`).
+
+vLLM stores each key and value it caches as `fp8_e4m3(x / scale)` and reads it back as `code * scale`,
+one static scale per layer (strategy tensor) or per KV head (attn_head), for keys after RoPE (and after
+k_norm where the architecture has one) and for values. So the scale is amax / 448 (e4m3's largest
+finite value) of exactly those tensors.
+
+How they are observed: a quantkit attention function registered with transformers' `AttentionInterface`
+(`KV_ATTENTION`). While a layer's calibration chunks run (quantkit/quantize/layers.py run_layer), its
+attention module reads that implementation; the function records |k| and |v| maxima per KV head (the
+keys and values the attention kernel receives: post-RoPE, post-k_norm, before any repeat for grouped
+queries) and then calls the implementation the model was built with (sdpa, eager, ...), so the forward
+is unchanged.
+
+Which model's activations: the QUANTIZED model's. The pass feeds each layer the output of the already
+quantized layers before it, and attention runs after the layer's q/k/v group has been quantized (and,
+for W8A8/FP8 schemes, with the engine's dynamic activation quantization on k_proj/v_proj's input), so the
+scales describe the keys and values the served model will actually cache.
+
+Across calibration chunks and ranks the maxima are folded in global chunk order (quantkit/distributed.py
+ChunkFold), a max being exact in any order, so every rank ends with the same scales.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from quantkit.distributed import ChunkFold, ChunkLayout
+
+KV_ATTENTION = "quantkit_kv_observe"  # the attention implementation name registered with transformers
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+MIN_AMAX = 1e-6  # an all-zero k or v (a dead head) still gets a positive scale: vLLM divides by it
+STRATEGY_CT = {"tensor": "tensor", "head": "attn_head"}  # recipe strategy -> compressed-tensors strategy
+
+
+def scales_from_amax(amax: torch.Tensor, strategy: str) -> torch.Tensor:
+    """fp32 scales from per-KV-head maxima ([heads]): [1] for tensor, [heads, 1, 1] for head (the shapes
+    compressed-tensors gives k_scale / v_scale, and vLLM's loader reads)."""
+    a = amax.float().clamp_min(MIN_AMAX)
+    if strategy == "tensor":
+        return (a.max() / FP8_E4M3_MAX).reshape(1)
+    if strategy == "head":
+        return (a / FP8_E4M3_MAX).reshape(-1, 1, 1)
+    raise ValueError(f"unknown kv_cache strategy {strategy!r} (known: {', '.join(STRATEGY_CT)})")
+
+
+def kv_cache_args(spec):
+    """The compressed-tensors QuantizationArgs of a recipe's `kv_cache` (None: none), what config.json's
+    quantization_config.kv_cache_scheme holds."""
+    if spec is None:
+        return None
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=8, type="float", strategy=STRATEGY_CT[spec.strategy], dynamic=False,
+                            symmetric=True)
+
+
+def attention_path(arch) -> str:
+    """The attention module of a decoder layer (local name): the parent of the architecture's k_proj."""
+    for group in arch.sequential:
+        for local in group:
+            if local.endswith(".k_proj"):
+                return local.rsplit(".", 1)[0]
+    raise ValueError(f"architecture {arch.name!r} names no k_proj; its KV cache cannot be calibrated")
+
+
+def scale_names(prefix: str, attention: str) -> tuple[str, str]:
+    """('model.layers.3.self_attn.k_scale', '...v_scale'): the checkpoint names vLLM maps to attn.k_scale."""
+    return f"{prefix}{attention}.k_scale", f"{prefix}{attention}.v_scale"
+
+
+def _observing_attention(module: nn.Module, query, key, value, attention_mask, *args, **kwargs):
+    obs: KVObserver | None = getattr(module, "_quantkit_kv", None)
+    if obs is None:  # a module that is not being observed (never set by quantkit): plain sdpa
+        return _implementation("sdpa", module)(module, query, key, value, attention_mask, *args, **kwargs)
+    obs.record(key, value)
+    return _implementation(obs.inner, module)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _implementation(name: str, module: nn.Module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in (None, "eager"):  # each modeling file has its own eager function (the interface's default)
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward to delegate to")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(KV_ATTENTION, _observing_attention)
+
+
+_register()
+
+
+class KVObserver:
+    """One layer's k/v maxima over the calibration chunks; `finish()` folds them across ranks and returns
+    the scale tensors by checkpoint name.
+
+    Installed on the layer's attention module by `install` (its config's attention implementation becomes
+    KV_ATTENTION until `remove`); each chunk's attention call adds one payload, in this rank's chunk order."""
+
+    def __init__(self, attn: nn.Module, names: tuple[str, str], strategy: str, layout: ChunkLayout):
+        self.attn, self.names, self.strategy = attn, names, strategy
+        self.inner = attn.config._attn_implementation
+        self.amax: list[torch.Tensor | None] = [None, None]
+        self.calls = 0
+        self._fold = ChunkFold(layout, self._fold_max, eager=False)
+
+    @classmethod
+    def install(cls, layer: nn.Module, prefix: str, attention: str, strategy: str,
+                layout: ChunkLayout) -> "KVObserver":
+        attn = layer.get_submodule(attention)
+        obs = cls(attn, scale_names(prefix, attention), strategy, layout)
+        attn._quantkit_kv = obs
+        attn.config._attn_implementation = KV_ATTENTION
+        return obs
+
+    def remove(self) -> None:
+        self.attn.config._attn_implementation = self.inner
+        if getattr(self.attn, "_quantkit_kv", None) is self:
+            del self.attn._quantkit_kv
+
+    def record(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key, value: [batch, kv_heads, seq, head_dim] as the attention kernel gets them."""
+        self.calls += 1
+        self._fold.add([key.detach().abs().amax(dim=(0, 2, 3)).float().cpu(),
+                        value.detach().abs().amax(dim=(0, 2, 3)).float().cpu()])
+
+    def _fold_max(self, payload) -> None:
+        for i in (0, 1):
+            self.amax[i] = payload[i] if self.amax[i] is None else torch.maximum(self.amax[i], payload[i])
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """({k_scale name: tensor, v_scale name: tensor}, stats) once every chunk has been through attention."""
+        self._fold.finish()
+        if self.amax[0] is None:
+            raise RuntimeError(f"{self.names[0]}: attention never ran on the calibration chunks (internal error)")
+        k, v = (scales_from_amax(a, self.strategy) for a in self.amax)
+        stats = {"module": self.names[0].rsplit(".", 1)[0], "strategy": self.strategy,
+                 "k_amax": self.amax[0].tolist(), "v_amax": self.amax[1].tolist(),
+                 "k_scale": k.flatten().tolist(), "v_scale": v.flatten().tolist()}
+        return {self.names[0]: k, self.names[1]: v}, stats
+
+
+def manifest_section(spec, ct_args: dict | None, stats: dict[str, dict]) -> dict | None:
+    """manifest.json's quantization.kv_cache: the recipe's scheme, what config.json declares, and per
+    attention module the calibrated maxima (per KV head) and the scales the checkpoint holds. Takes the
+    per-layer records out of the module stats they travelled in (quantkit/quantize/layers.py)."""
+    layers = {}
+    for module_stats in stats.values():
+        rec = module_stats.pop("kv_cache", None)
+        if rec is not None:
+            layers[rec["module"]] = {k: v for k, v in rec.items() if k != "module"}
+    if spec is None:
+        return None
+    k_all = [x for r in layers.values() for x in r["k_scale"]]
+    v_all = [x for r in layers.values() for x in r["v_scale"]]
+    return {"scheme": spec.scheme, "strategy": spec.strategy, "kv_cache_scheme": ct_args,
+            "observed": "keys after RoPE (and k_norm) and values as the attention receives them, in the quantized "
+                        "model's calibration forward; scale = amax / 448",
+            "summary": {"layers": len(layers), "k_scale_min": min(k_all, default=None),
+                        "k_scale_max": max(k_all, default=None), "v_scale_min": min(v_all, default=None),
+                        "v_scale_max": max(v_all, default=None)},
+            "layers": layers}
