@@ -99,7 +99,7 @@ print(json.dumps(out))
 """
     res = _run(installed, tmp_path, str(installed / "bin" / "python"), "-c", code)
     out = json.loads(res.stdout)
-    assert out["suites"] == ["default", "full", "latency", "serving", "smoke"]
+    assert out["suites"] == ["default", "full", "kv", "latency", "serving", "smoke"]
     for name in ("smoke", "default", "serving"):
         assert out[name] and all(Path(p).is_file() and Path(p).is_relative_to(installed) for p in out[name])
     assert {"qk_suite.yaml", "qk_cloze.yaml", "qk_arith.yaml"} <= set(out["tasks"])
