@@ -130,7 +130,7 @@ class WorkloadSpec(Strict):
     output_tokens: tuple[int, int] = Field((16, 64), description="uniform [min, max] output length (ignore_eos)")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4], description="closed-loop levels -> speed.c<N>")
     request_rates: list[float] = Field(default_factory=list, description="open-loop Poisson req/s -> speed.r<R>")
-    warmup_requests: int = Field(2, ge=0, description="sent before each level, not measured")
+    warmup_requests: int = Field(2, ge=0, description="sent before the first level, not measured (none after the chat checks)")
     temperature: float = Field(0.0, ge=0)
     seed: int = 0
 

@@ -32,12 +32,15 @@ os.environ.setdefault("QUANTKIT_PREFLIGHT", "capability")
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
-    """Every test gets its own QUANTKIT_HOME unless it sets one; the demo model cache is reused."""
+    """Every test gets its own QUANTKIT_HOME unless it sets one; the demo models and vLLM's cache are reused."""
     home = tmp_path_factory.mktemp("qkhome")
     monkeypatch.setenv("QUANTKIT_HOME", str(home))
     real = Path(os.environ.get("QUANTKIT_REAL_HOME", Path.home() / ".cache" / "quantkit"))
     if (real / "models").is_dir():
         (home / "models").symlink_to(real / "models")
+        # vLLM's model-class info, keyed by source hash: saves each engine start a process (vllm_server.py)
+        (real / "vllm-cache").mkdir(exist_ok=True)
+        (home / "vllm-cache").symlink_to(real / "vllm-cache")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     yield
 

@@ -349,7 +349,8 @@ def test_openai_engine_and_speed_client_on_fake_server():
             assert lvl["output_tokens"] == sum(i.output_tokens for i in items)
             assert lvl["prefix_cache_reset"] is False  # not a vLLM dev-mode server
             assert lvl["engine_metrics"]["samples"] >= 2
-        assert fake.requests == 3 * 6  # 5 measured + 1 warm-up per level
+        assert fake.requests == 3 * 5 + 1  # 5 measured per level + 1 warm-up before the first level only
+        assert [lvl["warmup_requests"] for lvl in out.values()] == [1, 0, 0]
         with pytest.raises(EngineError, match="serves"):
             with ENGINES["openai"](fake.url, model="other"):
                 pass

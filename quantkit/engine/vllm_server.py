@@ -17,7 +17,10 @@ No orphans, even under kill -9 of quantkit: a watchdog process (quantkit/engine/
 read end of a pipe only quantkit writes to, and stops the engine's group when that pipe closes. The run
 folder records every running engine in `engines/<served name>.json` (PIDs, port, command); a later run in
 that folder stops an engine such a record still names (`stop_stale_engines`) before it starts its own.
-Caches (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR) and the log live in the run folder.
+The log and TORCHINDUCTOR_CACHE_DIR live in the run folder. VLLM_CACHE_ROOT is QUANTKIT_HOME/vllm-cache,
+kept between runs: its `modelinfos/` holds what vLLM learns about a model class (keyed by the hash of the
+class's source file), and without it every start spawns one more process that imports vLLM to inspect the
+class again (~17 s of a ~75 s start on a 2-core CPU; benchmarks/engine_start.py).
 """
 
 from __future__ import annotations
@@ -35,9 +38,14 @@ from typing import Any, Callable
 
 from quantkit.engine import Endpoint, EngineError
 from quantkit.engine import watchdog
-from quantkit.io import atomic_write_json
+from quantkit.io import atomic_write_json, quantkit_home
 from quantkit.engine.logs import explain_failure, parse_engine_log
 from quantkit.engine.procmon import ProcessTreeMonitor
+
+
+def engine_cache_root() -> Path:
+    """vLLM's cache folder (VLLM_CACHE_ROOT), shared by every engine quantkit starts (module docstring)."""
+    return quantkit_home() / "vllm-cache"
 
 
 def free_port() -> int:
@@ -132,7 +140,7 @@ class VLLMServer:
         env = dict(os.environ)
         cache = self.run_dir / "cache"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))  # whole GiB; the suite is the record
-        env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
+        env["VLLM_CACHE_ROOT"] = str(engine_cache_root())  # kept between runs (module docstring)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache between load levels (loopback only)

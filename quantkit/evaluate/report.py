@@ -64,6 +64,21 @@ def _strip_records(side: dict | None) -> dict | None:
     return out
 
 
+def _warmup_sent(side: dict) -> int | None:
+    """Warm-up requests the side's engine got before its first speed level (quantkit/evaluate/speed.py)."""
+    levels = list((side.get("speed") or {}).values())
+    return levels[0].get("warmup_requests") if levels and isinstance(levels[0], dict) else None
+
+
+def _warmup_line(w: dict) -> str:
+    sent = {k: v for k, v in (w.get("warmup_sent") or {}).items() if v is not None}
+    if not sent:  # a report from before warmup_sent was recorded
+        return f"{w['warmup_requests']} warm-up requests per level excluded."
+    how = ", ".join(f"{role} {n}" for role, n in sent.items())
+    return (f"Warm-up requests before the first level, excluded: {how} (none where the engine had just served the "
+            "chat checks).")
+
+
 def build_report(context: dict, baseline: dict | None, candidate: dict, variants: list[dict]) -> dict:
     from quantkit.evaluate.diagnose import where_the_wait_is
 
@@ -89,7 +104,9 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
                    "baseline": (baseline or {}).get("engine"), "candidate": eng_c},
         "hardware": context["hardware"],
         "workload": {**work, "prompt_tokens_total": sum(i["prompt_tokens"] for i in items),
-                     "output_tokens_total": sum(i["output_tokens"] for i in items), "items": items},
+                     "output_tokens_total": sum(i["output_tokens"] for i in items), "items": items,
+                     "warmup_sent": {role: _warmup_sent(side) for role, side in (("baseline", baseline),
+                                                                                 ("candidate", candidate)) if side}},
         "generation": {"speed": {"temperature": work["temperature"], "ignore_eos": True,
                                  "output_tokens": work["output_tokens"], "stream": True},
                        "perplexity": {"window_tokens": suite["perplexity_window"], "top_k": suite["logprobs_top_k"],
@@ -339,7 +356,7 @@ def render_markdown(r: dict) -> str:
     L += ["## Speed", "",
           f"Workload: {w['num_requests']} requests per level, prompt {w['prompt_tokens'][0]}–{w['prompt_tokens'][1]} tokens, "
           f"output {w['output_tokens'][0]}–{w['output_tokens'][1]} tokens (forced, ignore_eos), temperature {w['temperature']}, "
-          f"seed {w['seed']}, {w['warmup_requests']} warm-up requests per level excluded, prefix cache emptied per level.", ""]
+          f"seed {w['seed']}, prefix cache emptied per level. {_warmup_line(w)}", ""]
     for lvl in levels:
         kind = f"concurrency {lvl[1:]}" if lvl[0] == "c" else f"{lvl[1:]} requests/s (Poisson)"
         L += [f"### {lvl}: {kind}", ""]

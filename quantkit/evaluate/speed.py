@@ -9,7 +9,9 @@ drawn length (`ignore_eos`, `min_tokens`). Levels:
 - `c<N>`: closed loop, N requests in flight at all times (normal vs peak concurrency).
 - `r<R>`: open loop, Poisson arrivals at R requests/s (seeded), no cap on requests in flight.
 
-Each level starts with `warmup_requests` unmeasured requests, then empties vLLM's prefix cache
+The first level starts with `warmup_requests` unmeasured requests (an engine that has just served the
+eval's chat checks, generation at concurrency 16, is warm already and gets none: quantkit/evaluate/run.py);
+each summary records how many preceded it (`warmup_requests`). Every level empties vLLM's prefix cache
 (`POST /reset_prefix_cache`, served because the launcher sets VLLM_SERVER_DEV_MODE=1; an external
 server without it keeps its cache, recorded as `prefix_cache_reset: false`), then sends all `num_requests` while a
 `MetricsSampler` scrapes /metrics. Percentiles use linear interpolation between order statistics
@@ -121,7 +123,7 @@ async def _run_level(ep, items, warmup, level: tuple[str, float], temperature, s
     kind, value = level
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
-        if warmup:
+        if warmup:  # not measured; the first level only (run_speed)
             await _closed_loop(client, ep, warmup, max(1, int(value)) if kind == "c" else 2, temperature)
         reset = await _reset_prefix_cache(client, ep.base_url)
         async with MetricsSampler(client, ep.base_url) as sampler:
@@ -133,6 +135,7 @@ async def _run_level(ep, items, warmup, level: tuple[str, float], temperature, s
             wall = time.perf_counter() - t0
     summary = summarize_level(records, wall)
     summary["prefix_cache_reset"] = reset
+    summary["warmup_requests"] = len(warmup)
     summary["engine_metrics"] = sampler.summary()
     summary["records"] = [r.to_json() for r in records]
     return summary
@@ -153,12 +156,14 @@ def level_name(kind: str, value: float) -> str:
 
 def run_speed(ep, items: list[WorkItem], warmup_items: list[WorkItem], concurrency: list[int],
               rates: list[float], temperature: float, seed: int, progress=None) -> dict[str, dict]:
-    """{level name: summary} for every concurrency level, then every request rate."""
+    """{level name: summary} for every concurrency level, then every request rate. `warmup_items` go before
+    the first level only: after it the engine is warm, and each level still starts with an empty prefix cache."""
     levels = [("c", float(c)) for c in concurrency] + [("r", float(r)) for r in rates]
     out = {}
-    for kind, value in levels:
+    for i, (kind, value) in enumerate(levels):
         name = level_name(kind, value)
         if progress:
             progress(f"speed {name}: {len(items)} requests")
-        out[name] = asyncio.run(_run_level(ep, items, warmup_items, (kind, value), temperature, seed))
+        out[name] = asyncio.run(_run_level(ep, items, warmup_items if i == 0 else [], (kind, value), temperature,
+                                           seed))
     return out
