@@ -136,3 +136,21 @@ def test_capability_command_reports_both_ways(cpu, tmp_path):
     assert res.exit_code == 0
     out = json.loads(res.output)
     assert out["hardware"]["cpu_kind"] == "amx" and out["artifacts"][str(art)]["servable"] is True
+
+
+@pytest.mark.parametrize("flags, scheme, ok", [
+    (AMX, W8A8, False),    # the sgl int8 kernel: bf16/fp16 activations only
+    (AVX512, W8A8, True),  # oneDNN int8 path computes in float32
+    (AVX2, W8A8, True),
+    (AMX, W4A16, False),   # int4 kernels: bf16 only, on every CPU
+])
+def test_a_float32_engine_is_refused_where_the_kernel_has_no_float32(cpu, flags, scheme, ok):
+    """A suite that sets `dtype: float32` gets the reason before a start that would fail at the first forward
+    ('int8_scaled_mm_with_quant: expect A to be bfloat16 or half', seen on an AMX CPU); with auto it serves."""
+    cpu(flags)
+    got, why = engine_can_run(scheme, engine_dtype="float32")
+    assert got is ok, why
+    if not ok:
+        assert "float32" in why and "dtype" in why
+    if flags is AMX:
+        assert engine_can_run(scheme, engine_dtype=resolve_dtype("auto")[0]) == (True, "")

