@@ -25,13 +25,20 @@ def perplexity(model, tokenizer, files: list[Path], window: int = 512, max_token
                batch: int = 4) -> dict:
     """{'perplexity': float, 'tokens': int, 'per_file': {name: ppl}} for a causal LM on text files."""
     total_nll, total_n, per_file = 0.0, 0, {}
-    for f in files:
-        wins = token_windows(Path(f).read_text(encoding="utf-8"), tokenizer, window, max_tokens)
-        nll, n = window_nll(model, wins, batch)
-        per_file[Path(f).name] = math.exp(nll / n)
+    for name, per in file_window_nlls(model, tokenizer, files, window, max_tokens, batch).items():
+        nll, n = math.fsum(x for x, _ in per), sum(k for _, k in per)
+        per_file[name] = math.exp(nll / n)
         total_nll += nll
         total_n += n
     return {"perplexity": math.exp(total_nll / total_n), "tokens": total_n, "per_file": per_file}
+
+
+@torch.no_grad()
+def file_window_nlls(model, tokenizer, files: list[Path], window: int, max_tokens: int | None = None,
+                     batch: int = 4) -> dict[str, list[tuple[float, int]]]:
+    """{file name: per window, in order, (summed next-token NLL, tokens scored)} on the engine eval's windows."""
+    return {Path(f).name: window_nlls(model, token_windows(Path(f).read_text(encoding="utf-8"), tokenizer, window,
+                                                           max_tokens), batch) for f in files}
 
 
 @torch.no_grad()

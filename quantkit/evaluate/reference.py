@@ -31,7 +31,6 @@ from pathlib import Path
 
 import psutil
 
-from quantkit.evaluate.quality import windows
 
 ENGINE_GAP_FLAG = 0.02  # report.md flags a candidate whose engine degradation exceeds the reference's by > 2%
 MEMORY_SHARE = 0.5  # float32 weights may use at most this share of the memory available at the time
@@ -65,7 +64,7 @@ def reference_perplexity(model_dir: Path, files: list[Path], tokenizer, window: 
     import torch
     import transformers
 
-    from quantkit.evaluate.hf_perplexity import load_for_perplexity, window_nlls
+    from quantkit.evaluate.hf_perplexity import file_window_nlls, load_for_perplexity
 
     params = _param_count(model_dir)
     avail = psutil.virtual_memory().available
@@ -76,12 +75,9 @@ def reference_perplexity(model_dir: Path, files: list[Path], tokenizer, window: 
     model, _ = load_for_perplexity(model_dir, torch.float32)
     try:
         sums, sizes, per_file = [], [], {}
-        for f in files:
-            ids = tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-            wins = [torch.tensor(w) for w in windows(ids, window, max_tokens)]
-            per = window_nlls(model, wins, batch)
+        for name, per in file_window_nlls(model, tokenizer, files, window, max_tokens, batch).items():
             nll, n = math.fsum(x for x, _ in per), sum(k for _, k in per)
-            per_file[f.name] = {"tokens": n, "perplexity": math.exp(nll / n)}
+            per_file[name] = {"tokens": n, "perplexity": math.exp(nll / n)}
             sums += [-x for x, _ in per]
             sizes += [k for _, k in per]
     finally:
