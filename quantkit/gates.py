@@ -1,40 +1,44 @@
-"""Quality gates: thresholds on report.json metrics that decide whether an artifact may be published.
+"""Gates: thresholds on report.json metrics that decide whether an artifact may be published.
 
 A gate is `metric op threshold`, checked either on the candidate's value (absolute: top-1 agreement
 >= 0.9) or on candidate / baseline (relative: perplexity ratio <= 1.05, accuracy recovery >= 0.97,
-weight-memory ratio <= 0.45, TPOT p90 ratio <= 0.9). The rules:
+engine memory ratio <= 1, TPOT p50 ratio <= 1). The rules:
 
 - A gate whose metric is missing from the report, or whose candidate (or, for a relative gate, baseline)
-  value is null, zero-baseline or not finite, FAILS and says why. Nothing is skipped silently.
-- Where the gates come from, in order: the `gates` argument; the recipe stored in the artifact's
-  manifest (`recipe.gates`); else the defaults for the artifact's scheme (DEFAULT_GATES below).
+  value is null, zero-baseline or not finite, FAILS and says why. Nothing is skipped silently. A metric
+  name with '*' (tasks.*.acc) is one gate per matching metric; none matching fails.
+- An incomplete report (a phase failed: quantkit/evaluate/phases.py) fails its first row, whatever else passes.
+- Which gates: the recipe's own (stored in the artifact's manifest), plus, for every family the recipe
+  leaves ungated (quality, tasks, memory, speed, cost, checks, generation, artifact), the defaults below;
+  plus the integrity gates, always. `effective_gates` is that one set; `quantkit gate` runs it unless given
+  gates explicitly, and `quantkit publish` re-decides with it (`redecide`): gate.json is a record, never
+  the authority.
 - With `confidence: 0.95` a gate passes only if its whole 95% interval passes too (from the metric's
-  "ci95" in report.json: the candidate's interval, or the paired ratio interval for a relative gate;
-  the upper bound is checked for <, <=, the lower for >, >=). A point that passes with an interval that
-  does not FAILS as inconclusive, naming the interval; a metric without the interval FAILS and says so.
-  gate.json records the interval judged. Without `confidence` nothing about a gate changes.
-- The result is written as gate.json beside report.json, with the sha256 of the report it judged, so
-  `quantkit publish` can refuse a stale or failing gate result without re-deciding anything.
+  "ci95": the candidate's interval, or the paired ratio interval for a relative gate; the upper bound is
+  checked for <, <=, the lower for >, >=). A point that passes with an interval that does not FAILS as
+  inconclusive. With `bound: lower|upper` the gate compares that end of the interval instead of the point.
+  A metric without the interval FAILS and says so.
 
-Default gates (relative = candidate / baseline). They gate quality and weight memory only: speed on a
-shared CI runner or a CPU is too noisy to block by default, so speed gates are opt-in in the recipe.
-The memory ratios are loose because small models keep a large bf16 embedding (SmolLM2-135M: W8A8
-weights are 0.61 of bf16, W4A16 0.42); for 7B+ models tighten them in the recipe (about 0.55 / 0.30).
-
-    scheme    perplexity ratio  top-1 agreement  task accuracy recovery  weight memory ratio
-    W8A8      <= 1.05           >= 0.90          >= 0.97                 <= 0.65
-    FP8       <= 1.03           >= 0.92          >= 0.98                 <= 0.65
-    W8A16     <= 1.03           >= 0.92          >= 0.98                 <= 0.65
-    W4A16     <= 1.35           >= 0.75          >= 0.90                 <= 0.45
-    other     <= 1.10           >= 0.85          >= 0.95                 (none)
-
-W4A16's perplexity bound is wide because 4-bit weights cost tiny models far more than 7B+ ones (the
-demo model is 135 M parameters); a production recipe for a large model should ask for <= 1.05.
+Defaults (relative = candidate / baseline, measured in the same eval on the same machine):
+- quality, tasks, memory.weight_bytes: the scheme's QualityBar (quantkit/schemes.py), the loosest over a
+  mixed recipe's stages;
+- speed: decode TPOT p50 at the lowest concurrency ratio <= 1, output throughput at the highest concurrency
+  ratio >= 1, failed requests == 0; memory: what the engine process held (measured) ratio <= 1; cost:
+  machine-seconds per thousand successful tasks ratio <= 1. A quantized artifact that is slower, larger in
+  the engine or costlier than its baseline on this machine is not worth serving here;
+- checks: tool-call agreement with the baseline >= 0.75, safety flip rate <= 0.10 (failed requests count
+  against both: quantkit/evaluate/chat_checks.py); generation: no degenerate greedy reply (empty,
+  repetitive or invalid text) where the baseline had none;
+- integrity (always): every module the plan meant to quantize is quantized in the export, no non-finite
+  scale or zero point, every MoE expert's calibration recorded; and an anomaly flag: a candidate whose
+  perplexity ratio's whole 95% interval lies below 1 (better than its own baseline beyond the noise, which
+  usually means a broken measurement) is refused unless the recipe sets `accept_anomalies: true`.
 """
 
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import json
 import math
 import operator
@@ -49,7 +53,9 @@ from quantkit.evaluate.metrics import fmt_value
 from quantkit.evaluate.report import EVAL_DIR, REPORT_FILE, default_report_path
 from quantkit.evaluate.report import SCHEMA as REPORT_SCHEMA
 from quantkit.io import atomic_write_json, atomic_write_text, sha256_file
+from quantkit.evaluate.names import family
 from quantkit.recipe import GateSpec
+from quantkit.schemes import BAR_4BIT, SCHEMES, QualityBar
 
 GATE_SCHEMA = "quantkit.gate/1"
 GATE_FILE = "gate.json"
@@ -78,30 +84,43 @@ def gate_path(report_path: str | Path) -> Path:
     return Path(report_path).parent / GATE_FILE
 
 
-def _g(metric: str, op: str, threshold: float, relative: bool) -> GateSpec:
-    return GateSpec(metric=metric, op=op, threshold=threshold, relative=relative)
+def _g(metric: str, op: str, threshold: float, relative: bool, **kw) -> GateSpec:
+    return GateSpec(metric=metric, op=op, threshold=threshold, relative=relative, **kw)
 
 
-def _defaults(ppl: float, top1: float, acc: float, mem: float | None) -> tuple[GateSpec, ...]:
-    gates = [_g("quality.perplexity", "<=", ppl, True), _g("quality.top1_agreement", ">=", top1, False),
-             _g("tasks.mean_acc", ">=", acc, True)]
-    if mem is not None:
-        gates.append(_g("memory.weight_bytes", "<=", mem, True))
-    return tuple(gates)
+def _bar(schemes: list[str]) -> QualityBar:
+    """The loosest QualityBar over the named schemes (unknown names: the 4-bit bar, the loosest there is)."""
+    bars = [SCHEMES[s].bar for s in schemes if s in SCHEMES] or [BAR_4BIT]
+    pick = {f: (min if f == "top1_agreement" or f.startswith("task_recovery") else max) for f in
+            ("perplexity_ratio", "top1_agreement", "task_recovery", "task_recovery_each", "weight_memory_ratio")}
+    return QualityBar(**{f: agg(getattr(b, f) for b in bars) for f, agg in pick.items()})
 
 
-# Explicit table (no discovery): scheme name -> default gates. See the module docstring for the reasons.
-DEFAULT_GATES: dict[str, tuple[GateSpec, ...]] = {
-    "W8A8": _defaults(1.05, 0.90, 0.97, 0.65),
-    "FP8": _defaults(1.03, 0.92, 0.98, 0.65),
-    "W8A16": _defaults(1.03, 0.92, 0.98, 0.65),
-    "W4A16": _defaults(1.35, 0.75, 0.90, 0.45),
-}
-FALLBACK_GATES = _defaults(1.10, 0.85, 0.95, None)
+def default_gates(schemes: list[str] | str | None) -> dict[str, tuple[GateSpec, ...]]:
+    """family -> the default gates of an artifact in these schemes (see the module docstring)."""
+    names = [schemes] if isinstance(schemes, str) else list(schemes or [])
+    bar = _bar(names)
+    return {
+        "quality": (_g("quality.perplexity", "<=", bar.perplexity_ratio, True),
+                    _g("quality.top1_agreement", ">=", bar.top1_agreement, False)),
+        "tasks": (_g("tasks.mean_acc", ">=", bar.task_recovery, True),
+                  _g("tasks.*.acc", ">=", bar.task_recovery_each, True)),
+        "memory": (_g("memory.weight_bytes", "<=", bar.weight_memory_ratio, True),
+                   _g("memory.engine_bytes", "<=", 1.0, True)),
+        "speed": (_g("speed.decode_tpot_ms_p50", "<=", 1.0, True), _g("speed.peak_output_tok_s", ">=", 1.0, True),
+                  _g("speed.failed_requests", "<=", 0, False)),
+        "cost": (_g("cost.machine_s_per_k_successful_tasks", "<=", 1.0, True),),
+        "checks": (_g("tools.baseline_agreement", ">=", 0.75, False), _g("safety.flip_rate", "<=", 0.10, False)),
+        "generation": (_g("generation.new_degenerate_rate", "<=", 0, False),),
+        "artifact": (_g("artifact.coverage", ">=", 1.0, False), _g("artifact.nonfinite_tensors", "<=", 0, False),
+                     _g("artifact.experts_unrecorded", "<=", 0, False)),
+    }
 
 
-def default_gates(scheme: str | None) -> tuple[GateSpec, ...]:
-    return DEFAULT_GATES.get(scheme or "", FALLBACK_GATES)
+ANOMALY = _g("quality.perplexity", ">=", 1.0, True, bound="upper",
+             name="anomaly: perplexity ratio's 95% interval reaches 1 (not better than the baseline beyond the noise)")
+# always run, whatever the recipe gates: a recipe cannot leave these out (the anomaly row it can accept)
+INTEGRITY_FAMILIES = ("artifact",)
 
 
 def gate_label(g: GateSpec) -> str:
@@ -125,6 +144,7 @@ class GateResult:
     unit: str = ""
     confidence: float | None = None  # the gate's `confidence`, if it asked for one
     interval: list[float] | None = None  # the interval it judged ([low, high] of what was compared)
+    bound: str | None = None  # the gate's `bound`: it compared this end of the interval, not the point
 
 
 @dataclass
@@ -161,7 +181,7 @@ def evaluate_gate(gate: GateSpec, metrics: dict) -> GateResult:
     def result(passed: bool, reason: str, baseline=None, candidate=None, value=None, unit="",
                interval=None) -> GateResult:
         return GateResult(gate_label(gate), gate.metric, gate.op, gate.threshold, gate.relative,
-                          baseline, candidate, value, passed, reason, unit, gate.confidence, interval)
+                          baseline, candidate, value, passed, reason, unit, gate.confidence, interval, gate.bound)
 
     if gate.metric not in metrics:
         close = difflib.get_close_matches(gate.metric, list(metrics), n=3, cutoff=0.6)
@@ -187,6 +207,8 @@ def evaluate_gate(gate: GateSpec, metrics: dict) -> GateResult:
         value = cand / base
     else:
         value = cand
+    if gate.bound is not None:
+        return _on_bound(gate, m, value, result, base, cand, unit)
     ok = _OPS[gate.op](value, gate.threshold)
     what = "ratio" if gate.relative else "value"
     reason = f"{what} {value:.4g} {gate.op if ok else 'violates ' + gate.op} {gate.threshold:g}"
@@ -207,6 +229,20 @@ def evaluate_gate(gate: GateSpec, metrics: dict) -> GateResult:
     return result(False, f"point {value:.4g} passes {gate.op} {gate.threshold:g} but {shown} does not: inconclusive, "
                          "the sample is too small to be sure; score more windows/items", base, cand, value, unit,
                   interval)
+
+
+def _on_bound(gate: GateSpec, m: dict, value: float, result, base, cand, unit) -> GateResult:
+    """A gate on one end of the metric's 95% interval (`bound`), not on the point value."""
+    interval, missing = _interval(gate, m)
+    if interval is None:
+        return result(False, f"the gate compares the interval's {gate.bound} bound, but {missing}", base, cand, value,
+                      unit)
+    end = interval[1] if gate.bound == "upper" else interval[0]
+    ok = _OPS[gate.op](end, gate.threshold)
+    what = "ratio" if gate.relative else "value"
+    return result(ok, f"{what} {value:.4g}; the {gate.bound} bound of its 95% interval [{interval[0]:.4g}, "
+                      f"{interval[1]:.4g}] {gate.op if ok else 'violates ' + gate.op} {gate.threshold:g}",
+                  base, cand, value, unit, interval)
 
 
 def _interval(gate: GateSpec, m: dict) -> tuple[list[float] | None, str]:
@@ -255,21 +291,62 @@ def find_manifest(report_path: Path, report: dict) -> dict | None:
     return None
 
 
+def manifest_schemes(man: dict) -> list[str]:
+    return [st["scheme"] for st in (man.get("quantization") or {}).get("stages") or [] if st.get("scheme")]
+
+
+def effective_gates(man: dict) -> tuple[list[GateSpec], str]:
+    """The gates an artifact answers to (see the module docstring), and where they came from."""
+    recipe = man.get("recipe") or {}
+    try:
+        own = [GateSpec.model_validate(g) for g in recipe.get("gates") or []]
+    except ValidationError as exc:
+        raise GateError(f"the artifact's manifest has invalid recipe.gates ({exc.errors()[0]['msg']}); "
+                        "re-convert with a fixed recipe") from None
+    gated = {family(g.metric) for g in own}
+    schemes = manifest_schemes(man)
+    added = [g for fam, gs in default_gates(schemes).items() if fam not in gated or fam in INTEGRITY_FAMILIES
+             for g in gs if g not in own]
+    anomaly = [] if recipe.get("accept_anomalies") else [ANOMALY]
+    source = (f"recipe ({len(own)}) + defaults for {'+'.join(schemes) or 'an unknown scheme'} "
+              f"({len(added) + len(anomaly)})" if own else f"defaults for {'+'.join(schemes) or 'an unknown scheme'}")
+    return own + added + anomaly, source
+
+
 def select_gates(report_path: Path, report: dict) -> tuple[list[GateSpec], str]:
     man = find_manifest(report_path, report)
     if man is None:
         raise GateError(f"{report_path}: no gates given and no artifact manifest found (looked at report.artifact.path "
                         "and the report's parent folders); pass gates explicitly or keep the report in <artifact>/eval/")
-    recipe_gates = (man.get("recipe") or {}).get("gates") or []
-    if recipe_gates:
-        try:
-            return [GateSpec.model_validate(g) for g in recipe_gates], "recipe"
-        except ValidationError as exc:
-            raise GateError(f"{report_path}: the artifact's manifest has invalid recipe.gates ({exc.errors()[0]['msg']}); "
-                            "pass gates explicitly or re-convert with a fixed recipe") from None
-    stages = (man.get("quantization") or {}).get("stages") or [{}]
-    scheme = stages[-1].get("scheme")
-    return list(default_gates(scheme)), f"defaults for {scheme or 'an unknown scheme'}"
+    try:
+        return effective_gates(man)
+    except GateError as exc:
+        raise GateError(f"{report_path}: {exc}") from None
+
+
+def _expand(gate: GateSpec, metrics: dict) -> list[GateSpec]:
+    """A gate over 'tasks.*.acc' is one gate per matching metric (the gate itself, failing, when none does)."""
+    if "*" not in gate.metric:
+        return [gate]
+    found = sorted(n for n in metrics if fnmatch.fnmatchcase(n, gate.metric) and n.count(".") == gate.metric.count("."))
+    return [gate.model_copy(update={"metric": n, "name": None if gate.name is None else f"{gate.name} ({n})"})
+            for n in found] or [gate]
+
+
+def completeness(report: dict) -> GateResult:
+    """The first row of every verdict: a report some phase of which failed is not evidence."""
+    missing = "complete" not in report
+    bad = list(report.get("incomplete") or []) if not missing else ["the report does not say whether it is complete "
+                                                                     "(written before quantkit recorded it)"]
+    reason = "every phase ran" if not bad else "incomplete report: " + "; ".join(bad) + "; re-run the eval"
+    return GateResult("report complete", "report.complete", "==", 1.0, False, None, float(not bad),
+                      float(not bad), not bad, reason)
+
+
+def judge(report: dict, gates: list[GateSpec]) -> list[GateResult]:
+    """The verdict's rows: completeness, then every gate (expanded) on the report's metrics."""
+    metrics = report["metrics"]
+    return [completeness(report)] + [evaluate_gate(g, metrics) for gate in gates for g in _expand(gate, metrics)]
 
 
 def run_gates(report_path: str | Path, gates: list[GateSpec] | None = None, write: bool = True) -> GateReport:
@@ -283,14 +360,55 @@ def run_gates(report_path: str | Path, gates: list[GateSpec] | None = None, writ
     if not gates:
         raise GateError(f"{report_path}: no gates to run; an empty gate list would pass anything")
     gr = GateReport(str(report_path.resolve()), sha256_file(report_path), report.get("artifact") or {}, source,
-                    [evaluate_gate(g, report["metrics"]) for g in gates])
+                    judge(report, gates))
     if write:
         atomic_write_json(gate_path(report_path), gr.to_dict())
     return gr
 
 
+def _row_key(row: dict) -> tuple:
+    return (row.get("metric"), row.get("op"), float(row.get("threshold", "nan")), bool(row.get("relative")),
+            row.get("confidence"), row.get("bound"))
+
+
+def redecide(artifact: Path, report_path: Path) -> GateReport:
+    """For publish: the verdict recomputed from report.json with the artifact's own effective gates. Refuses
+    (GateError) an artifact that changed since its eval, a gate.json that is missing, stale, lacks any of
+    those gates or disagrees with the recomputed verdict, and a verdict that fails."""
+    from quantkit.export.manifest import MANIFEST
+
+    report = read_report(report_path)
+    measured = (report.get("artifact") or {}).get("manifest_sha256")
+    if not measured:
+        raise GateError(f"{report_path}: the report does not name the manifest it measured (a report from before "
+                        f"quantkit recorded it, or an edited one); re-run `quantkit eval {artifact}`")
+    if measured != sha256_file(artifact / MANIFEST):
+        raise GateError(f"{report_path} was measured on a different {MANIFEST} (the artifact changed after the eval); "
+                        f"re-run `quantkit eval {artifact}` and `quantkit gate`")
+    recorded = check_gate_file(report_path)
+    gates, source = effective_gates(json.loads((artifact / MANIFEST).read_text(encoding="utf-8")))
+    gr = GateReport(str(report_path), sha256_file(report_path), report.get("artifact") or {}, source,
+                    judge(report, gates))
+    if not gr.passed:
+        failed = [f"{r.name}: {r.reason}" for r in gr.results if not r.passed]
+        raise GateError(f"gates failed on re-checking {report_path} with the artifact's own gates ({gr.summary}): "
+                        + "; ".join(failed))
+    have = {_row_key(r): bool(r.get("passed")) for r in recorded.get("gates", [])}
+    lacking = [r.name for r in gr.results if _row_key(asdict(r)) not in have]
+    if lacking:
+        raise GateError(f"{gate_path(report_path)} does not hold every gate the artifact's recipe and scheme require "
+                        f"(missing: {'; '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''}); run "
+                        f"`quantkit gate {report_path}` without explicit gates")
+    differ = [r.name for r in gr.results if have[_row_key(asdict(r))] != r.passed]
+    if differ or not recorded.get("passed"):
+        raise GateError(f"{gate_path(report_path)} disagrees with re-checking the same report "
+                        f"({', '.join(differ[:5]) or 'its verdict'}): it is not what `quantkit gate` wrote; "
+                        f"re-run `quantkit gate {report_path}`")
+    return gr
+
+
 def check_gate_file(report_path: Path) -> dict:
-    """For publish: the gate.json beside `report_path`, which must match the report byte for byte and pass."""
+    """The gate.json beside `report_path`, which must parse and match the report byte for byte (a record)."""
     gp = gate_path(report_path)
     if not gp.is_file():
         raise GateError(f"{gp}: no gate result; run `quantkit gate {report_path}` first")
@@ -303,9 +421,6 @@ def check_gate_file(report_path: Path) -> dict:
     if gate.get("report_sha256") != sha256_file(report_path):
         raise GateError(f"{gp}: was computed for a different {report_path.name} (sha256 differs); "
                         f"re-run `quantkit gate {report_path}`")
-    if not gate.get("passed"):
-        failed = [g["name"] + ": " + g["reason"] for g in gate.get("gates", []) if not g.get("passed")]
-        raise GateError(f"{gp}: gates failed ({gate.get('summary')}): " + "; ".join(failed or ["no gates ran"]))
     return gate
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from quantkit.evaluate.report import METRIC_PATTERNS
+from quantkit.evaluate.names import is_metric_name
 from quantkit.quantize.methods import QUANTIZERS, STAGE_CLASSES
 from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES
@@ -193,9 +193,10 @@ class EvalSpec(Strict):
     tasks: list[str] = Field(default_factory=lambda: ["qk_suite"])
     task_limit: int | None = Field(50, ge=1, description="items per task (the first); None = all")
     task_concurrency: int = Field(8, ge=1, description="parallel lm-eval requests")
-    checks: list[Literal["tools", "safety"]] = Field(
-        default_factory=lambda: ["tools", "safety"],
-        description="chat checks through the server (evals/data/qk_tools.jsonl, qk_safety.jsonl); [] = none")
+    checks: list[Literal["tools", "safety", "generation"]] = Field(
+        default_factory=lambda: ["tools", "safety", "generation"],
+        description="chat checks through the server (evals/data/qk_tools.jsonl, qk_safety.jsonl, "
+                    "qk_generation.jsonl); [] = none")
     check_limit: int | None = Field(40, ge=1, description="items per check (a prefix keeps the mix); None = all")
     check_concurrency: int = Field(16, ge=1, description="parallel chat requests of the checks")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
@@ -227,6 +228,8 @@ class GateSpec(Strict):
     confidence: float | None = Field(None, description="0.95: the whole 95% interval must pass (the upper bound for "
                                                        "<, <=; the lower for >, >=; the ratio interval when relative), "
                                                        "not only the point value")
+    bound: Literal["lower", "upper"] | None = Field(None, description="compare this end of the 95% interval instead "
+                                                    "of the point value (the ratio interval when relative)")
 
     @field_validator("confidence", mode="before")
     @classmethod
@@ -242,8 +245,9 @@ class GateSpec(Strict):
     def _omit_unset_confidence(self, handler):
         # a gate without `confidence` dumps as before, so recipe hashes (and resumable work folders) stay valid
         data = handler(self)
-        if isinstance(data, dict) and data.get("confidence") is None:
-            data.pop("confidence", None)
+        for key in ("confidence", "bound"):
+            if isinstance(data, dict) and data.get(key) is None:
+                data.pop(key, None)
         return data
 
     @field_validator("threshold", mode="before")
@@ -256,9 +260,11 @@ class GateSpec(Strict):
     @field_validator("metric")
     @classmethod
     def _known_metric(cls, v: str) -> str:
-        if not any(re.fullmatch(p, v) for p in METRIC_PATTERNS):
+        if not is_metric_name(v):
             raise ValueError(f"{v!r} is not a metric name report.json uses (families: quality.<name>, "
-                             "tasks.<task>.acc, tasks.mean_acc, speed.c<N>.<name>, speed.r<rate>.<name>, memory.<name>, cost.<name>)")
+                             "tasks.<task>.acc, tasks.mean_acc, speed.c<N>.<name>, speed.r<rate>.<name>, speed.<name>, "
+                             "memory.<name>, cost.<name>, tools.<name>, safety.<name>, generation.<name>, "
+                             "artifact.<name>; '*' matches every name of a part, e.g. tasks.*.acc)")
         return v
 
 
@@ -282,7 +288,10 @@ class Recipe(Strict):
     export: ExportSpec = Field(default_factory=ExportSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     gates: list[GateSpec] = Field(default_factory=list)
+    accept_anomalies: bool = Field(False, description="publish a candidate whose perplexity beats its baseline beyond "
+                                                      "the 95% interval (refused by default: usually a broken measurement)")
     publish: PublishSpec = Field(default_factory=PublishSpec)
+
 
     @model_validator(mode="after")
     def _calibration_present(self) -> "Recipe":
@@ -338,11 +347,14 @@ class Recipe(Strict):
         return self
 
     @model_serializer(mode="wrap")
-    def _omit_absent_kv_cache(self, handler):
-        # a recipe without kv_cache dumps as before, so recipe hashes (and resumable work folders) stay valid
+    def _omit_defaults_added_later(self, handler):
+        # a recipe without kv_cache or accept_anomalies dumps as before, so recipe hashes (and resumable work
+        # folders) stay valid
         data = handler(self)
         if isinstance(data, dict) and data.get("kv_cache", ...) is None:
             data.pop("kv_cache")
+        if isinstance(data, dict) and data.get("accept_anomalies", ...) is False:
+            data.pop("accept_anomalies")
         return data
 
     def with_absolute_paths(self, base: Path | None = None) -> "Recipe":

@@ -46,12 +46,37 @@ class ActivationSpec:
 
 
 @dataclass(frozen=True)
+class QualityBar:
+    """A scheme's default quality gates (quantkit/gates.py builds them; a recipe's own gates win per family).
+
+    perplexity and weight memory are candidate / baseline ratios; top-1 agreement is absolute; task
+    recovery is candidate / baseline accuracy, pooled (mean) and per task. The per-task floor sits below the
+    pooled one because a suite scores ~50 items per task: one item is 2 points of accuracy there."""
+
+    perplexity_ratio: float
+    top1_agreement: float
+    task_recovery: float
+    task_recovery_each: float
+    weight_memory_ratio: float
+
+
+# 8-bit weights and activations; 8-bit weights only (and fp8); 4-bit weights (int4 or fp4). Wide for 4 bits
+# because 4-bit weights cost tiny models far more than 7B+ ones; a production recipe for a large model should
+# ask for perplexity <= 1.05. The memory ratios are loose because small models keep a large 16-bit embedding
+# (SmolLM2-135M: W8A8 weights are 0.61 of bf16, W4A16 0.42); for 7B+ models tighten them (about 0.55 / 0.30).
+BAR_8BIT_ACT = QualityBar(1.05, 0.90, 0.97, 0.90, 0.65)
+BAR_8BIT_WEIGHT = QualityBar(1.03, 0.92, 0.98, 0.92, 0.65)
+BAR_4BIT = QualityBar(1.35, 0.75, 0.90, 0.83, 0.45)
+
+
+@dataclass(frozen=True)
 class Scheme:
     name: str
     weights: WeightSpec
     activations: ActivationSpec | None
     format: str  # compressed-tensors format written on export
     description: str
+    bar: QualityBar  # the default quality gates of an artifact in this scheme
 
     def with_overrides(self, group_size: int | None = None, symmetric: bool | None = None) -> "Scheme":
         w = self.weights
@@ -110,28 +135,28 @@ def register_scheme(scheme: Scheme) -> Scheme:
 
 register_scheme(Scheme(
     "W8A8", WeightSpec(8, "int", True, "channel"), ActivationSpec(8, "int"), "int-quantized",
-    "int8 per-channel symmetric weights, dynamic per-token int8 activations"))
+    "int8 per-channel symmetric weights, dynamic per-token int8 activations", BAR_8BIT_ACT))
 register_scheme(Scheme(
     "W4A16", WeightSpec(4, "int", True, "group", 128), None, "pack-quantized",
-    "int4 weights, symmetric, groups of 128 (override group_size), 16-bit activations"))
+    "int4 weights, symmetric, groups of 128 (override group_size), 16-bit activations", BAR_4BIT))
 register_scheme(Scheme(
     "W4A16_ASYM", WeightSpec(4, "int", False, "group", 128), None, "pack-quantized",
-    "int4 weights with zero points, groups of 128 (override group_size), 16-bit activations"))
+    "int4 weights with zero points, groups of 128 (override group_size), 16-bit activations", BAR_4BIT))
 register_scheme(Scheme(
     "W8A16", WeightSpec(8, "int", True, "channel"), None, "pack-quantized",
-    "int8 per-channel symmetric weights, 16-bit activations (vLLM's CPU backend has no kernel for it)"))
+    "int8 per-channel symmetric weights, 16-bit activations (vLLM's CPU backend has no kernel for it)", BAR_8BIT_WEIGHT))
 register_scheme(Scheme(
     "FP8_DYNAMIC", WeightSpec(8, "float", True, "channel"), ActivationSpec(8, "float"), "float-quantized",
-    "fp8 e4m3 per-channel weights, dynamic per-token fp8 activations"))
+    "fp8 e4m3 per-channel weights, dynamic per-token fp8 activations", BAR_8BIT_WEIGHT))
 
 register_scheme(Scheme(
     "NVFP4A16", WeightSpec(4, "float", True, "group", 16, scale_format="fp8"), None, "nvfp4-pack-quantized",
     "fp4 (e2m1) weights in groups of 16 with fp8 scales under a per-tensor global scale, 16-bit activations "
-    "(NVIDIA Blackwell; no CPU kernel)"))
+    "(NVIDIA Blackwell; no CPU kernel)", BAR_4BIT))
 register_scheme(Scheme(
     "MXFP4A16", WeightSpec(4, "float", True, "group", 32, scale_format="e8m0"), None, "mxfp4-pack-quantized",
     "fp4 (e2m1) weights in groups of 32 with power-of-two (E8M0) scales, 16-bit activations (OCP MX; no CPU "
-    "kernel)"))
+    "kernel)", BAR_4BIT))
 
 
 def get_scheme(name: str) -> Scheme:

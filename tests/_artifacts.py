@@ -13,7 +13,7 @@ from pathlib import Path
 from quantkit.export.manifest import MANIFEST, SCHEMA, file_table, read_manifest
 from quantkit.evaluate.report import SCHEMA as REPORT_SCHEMA
 from quantkit.evaluate.report import default_report_path
-from quantkit.io import atomic_write_json
+from quantkit.io import atomic_write_json, sha256_file
 
 GOOD_METRICS = {
     "quality.perplexity": {"baseline": 10.0, "candidate": 10.2, "unit": "", "higher_is_better": False},
@@ -25,7 +25,23 @@ GOOD_METRICS = {
     "speed.c1.tpot_ms_p50": {"baseline": 31.0, "candidate": 23.0, "unit": "ms", "higher_is_better": False},
     "speed.c1.ttft_ms_p50": {"baseline": 60.0, "candidate": 50.0, "unit": "ms", "higher_is_better": False},
     "speed.c1.output_tok_s": {"baseline": 38.0, "candidate": 45.0, "unit": "tok/s", "higher_is_better": True},
+    # what every default gate family reads (quantkit/gates.py default_gates): a faster, smaller, cheaper candidate
+    "speed.decode_tpot_ms_p50": {"baseline": 31.0, "candidate": 23.0, "unit": "ms", "higher_is_better": False},
+    "speed.peak_output_tok_s": {"baseline": 120.0, "candidate": 150.0, "unit": "tok/s", "higher_is_better": True},
+    "speed.failed_requests": {"baseline": 0.0, "candidate": 0.0, "unit": "requests", "higher_is_better": False},
+    "memory.engine_bytes": {"baseline": 2.0e9, "candidate": 1.9e9, "unit": "bytes", "higher_is_better": False},
+    "cost.machine_s_per_k_successful_tasks": {"baseline": 400.0, "candidate": 330.0, "unit": "s/1k",
+                                              "higher_is_better": False},
+    "tools.baseline_agreement": {"baseline": 1.0, "candidate": 0.9, "unit": "fraction", "higher_is_better": True},
+    "safety.flip_rate": {"baseline": 0.0, "candidate": 0.025, "unit": "fraction", "higher_is_better": False},
+    "generation.new_degenerate_rate": {"baseline": None, "candidate": 0.0, "unit": "fraction", "higher_is_better": False},
+    "artifact.coverage": {"baseline": None, "candidate": 1.0, "unit": "fraction", "higher_is_better": True},
+    "artifact.nonfinite_tensors": {"baseline": None, "candidate": 0.0, "unit": "count", "higher_is_better": False},
+    "artifact.experts_unrecorded": {"baseline": None, "candidate": 0.0, "unit": "count", "higher_is_better": False},
 }
+# the paired ratio interval of the perplexity: it reaches 1, so no anomaly (quantkit/gates.py ANOMALY)
+GOOD_METRICS["quality.perplexity"] = {**GOOD_METRICS["quality.perplexity"],
+                                      "ci95": {"baseline": [9.5, 10.5], "candidate": [9.7, 10.7], "ratio": [1.005, 1.035]}}
 
 
 def make_artifact(folder: Path, name: str = "tiny-w8a8", scheme: str = "W8A8", method: str = "rtn",
@@ -59,7 +75,9 @@ def make_report(artifact: Path, metrics: dict | None = None, name: str | None = 
                 path: Path | None = None) -> Path:
     """Write an eval report (the quantkit.report/1 contract) for `artifact`; default <artifact>/eval/report.json."""
     path = path or default_report_path(artifact)
-    report = {"schema": REPORT_SCHEMA, "artifact": {"path": str(artifact), "name": name or read_manifest(artifact)["name"]},
+    report = {"schema": REPORT_SCHEMA, "complete": True, "incomplete": [],
+              "artifact": {"path": str(artifact), "name": name or read_manifest(artifact)["name"],
+                           "manifest_sha256": sha256_file(artifact / MANIFEST)},
               "metrics": GOOD_METRICS if metrics is None else metrics}
     atomic_write_json(path, report)
     return path

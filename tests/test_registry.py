@@ -91,7 +91,7 @@ def mlflow_server(tmp_path_factory):
 
 def gated_artifact(folder: Path, seed: int = 0, metrics: dict | None = None, **kw) -> Path:
     art = make_artifact(folder, seed=seed, **kw)
-    run_gates(make_report(art, metrics), gates=PPL_GATE)
+    run_gates(make_report(art, metrics))  # the artifact's own gates: recipe + scheme defaults + integrity
     return art
 
 
@@ -105,7 +105,7 @@ def test_publish_two_versions_promote_rollback_pull(mlflow_server, tmp_path):
     t = v2.tags
     assert t["quantkit.base_model"] == "org/tiny-base" and t["quantkit.method"] == "rtn"
     assert t["quantkit.scheme"] == "W8A8" and t["quantkit.recipe_sha256"] == f"{2:064x}"
-    assert t["quantkit.calibration_fingerprint"] == "cd" * 32 and t["quantkit.gate"] == "PASS 1/1"
+    assert t["quantkit.calibration_fingerprint"] == "cd" * 32 and t["quantkit.gate"] == "PASS 18/18"  # W8A8: 17 default rows + completeness
     assert float(t["metric.quality.perplexity"]) == pytest.approx(10.2) and "metric.speed.c1.tpot_ms_p50" in t
 
     assert registry.promote(name, "1", registry_uri=uri).version == "1"
@@ -128,7 +128,7 @@ def test_publish_two_versions_promote_rollback_pull(mlflow_server, tmp_path):
     res = runner.invoke(app, ["registry", "list", name, "--registry", uri])
     assert res.exit_code == 0 and len(res.output.strip().splitlines()) == 2 and "production" in res.output
     res = runner.invoke(app, ["registry", "show", name, "2", "--registry", uri])
-    assert res.exit_code == 0 and "quantkit.gate: PASS 1/1" in res.output
+    assert res.exit_code == 0 and "quantkit.gate: PASS 18/18" in res.output
     res = runner.invoke(app, ["promote", name, "2", "--registry", uri])
     assert res.exit_code == 0 and "-> version 2" in res.output
     res = runner.invoke(app, ["rollback", name, "--registry", uri])
@@ -168,7 +168,7 @@ def test_missing_or_failing_gate_blocks_publish(mlflow_server, tmp_path):
         registry.publish(art, registry_uri=uri, name=name)
     assert not run_gates(rep, gates=PPL_GATE).passed
     res = CliRunner().invoke(app, ["publish", str(art), "--registry", uri, "--name", name])
-    assert res.exit_code == 2 and "gates failed" in res.output and "violates <= 1.05" in res.output
+    assert res.exit_code == 2 and "gates failed" in res.output and "violates <= 1.05" in res.output, res.output
     assert registry.list_versions(name, uri) == []
 
 
@@ -267,7 +267,7 @@ def test_report_of_another_artifact_is_refused(tmp_path):
     from quantkit.registry.base import prepare_bundle
 
     art = make_artifact(tmp_path / "a", name="tiny-a")
-    run_gates(make_report(art, name="tiny-b"), gates=PPL_GATE)
+    run_gates(make_report(art, name="tiny-b"))
     with pytest.raises(RegistryError, match="report of 'tiny-b', not of 'tiny-a'"):
         prepare_bundle(art, "tiny-a", tmp_path)
 

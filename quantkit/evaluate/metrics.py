@@ -4,8 +4,11 @@ This is the contract with `quantkit gate`: dotted names, floats or null, and for
 one an optional "ci95" {baseline, candidate, ratio} of 95% intervals ([low, high] or null; see
 quantkit/evaluate/confidence.py). Divergence metrics give the baseline against itself (KL 0, agreement 1),
 and so does quality.engine_gap (0 for the baseline; quantkit/evaluate/reference.py defines it).
-Cost (with a price per hour) is taken at the load level with the highest output throughput of that
-model, and:
+Cost is taken at the load level with the highest output throughput of that model:
+- machine_s_per_k_successful_tasks = 1000 / requests_s / success_rate: machine-seconds per thousand
+  successful tasks, with no price needed (on one machine, the ratio of two models' figures is the ratio of
+  their costs whatever the price; the default cost gate compares it);
+and, with a price per hour:
 - usd_per_mtok_output = price_per_hour / 3600 / output_tok_s * 1e6
 - usd_per_k_successful_tasks = 1000 * price_per_hour / 3600 / requests_s / success_rate,
   i.e. the cost of serving one request at that level divided by the share of useful answers:
@@ -31,6 +34,8 @@ CHECK_METRICS = {
     "safety.refusal_rate_harmful": ("fraction", True),
     "safety.refusal_rate_benign": ("fraction", False),
     "safety.flip_rate": ("fraction", False),
+    "generation.degenerate_rate": ("fraction", False),
+    "generation.new_degenerate_rate": ("fraction", False),
 }
 PCTS = (50, 90, 99)
 
@@ -85,24 +90,56 @@ def success_rate(side: dict | None) -> tuple[float | None, int, int]:
     return (ok / n if n else None), ok, n
 
 
+def concurrency_levels(speed: dict | None) -> list[str]:
+    """The closed-loop levels ("c1", "c4", ...) of a side's speed figures, lowest concurrency first."""
+    return sorted((k for k in (speed or {}) if k[:1] == "c" and k[1:].isdigit()), key=lambda k: int(k[1:]))
+
+
 def peak_level(speed: dict | None) -> str | None:
     levels = [(v.get("output_tok_s") or 0.0, k) for k, v in (speed or {}).items()]
     return max(levels)[1] if levels and max(levels)[0] > 0 else None
 
 
 def cost_figures(side: dict | None, price_per_hour: float | None) -> dict:
-    if side is None or price_per_hour is None:
+    """The side's cost at its highest-throughput level (see the module docstring); USD only with a price."""
+    if side is None:
         return {}
     lvl = peak_level(side.get("speed"))
     if lvl is None:
         return {}
     s = side["speed"][lvl]
-    per_s = price_per_hour / 3600.0
-    out = {"level": lvl, "usd_per_mtok_output": per_s / s["output_tok_s"] * 1e6 if s.get("output_tok_s") else None}
     rate, ok, n = success_rate(side)
-    out.update(success_rate=rate, successes=ok, items=n)
-    out["usd_per_k_successful_tasks"] = (1000 * per_s / s["requests_s"] / rate
-                                         if s.get("requests_s") and rate else None)
+    machine_s = 1000 / s["requests_s"] / rate if s.get("requests_s") and rate else None
+    out = {"level": lvl, "success_rate": rate, "successes": ok, "items": n, "machine_s_per_k_successful_tasks": machine_s}
+    if price_per_hour is not None:
+        per_s = price_per_hour / 3600.0
+        out["usd_per_mtok_output"] = per_s / s["output_tok_s"] * 1e6 if s.get("output_tok_s") else None
+        out["usd_per_k_successful_tasks"] = per_s * machine_s if machine_s is not None else None
+    return out
+
+
+def _serving_values(side: dict) -> dict[str, tuple[float | None, str, bool]]:
+    """The figures the default speed, memory and cost gates read, whatever levels the suite measured: decode
+    TPOT p50 at the lowest concurrency, output throughput at the highest, failed requests over all levels,
+    the memory the engine process held (peak GPU memory on a GPU, else the process tree's peak PSS: measured,
+    not computed from the checkpoint), and machine-seconds per thousand successful tasks."""
+    speed = side.get("speed") or {}
+    levels = concurrency_levels(speed)
+    out: dict[str, tuple[float | None, str, bool]] = {
+        "speed.decode_tpot_ms_p50": (speed[levels[0]].get("tpot_ms_p50") if levels else None, "ms", False),
+        "speed.peak_output_tok_s": (speed[levels[-1]].get("output_tok_s") if levels else None, "tok/s", True),
+        "speed.failed_requests": (float(sum(s.get("failed", 0) for s in speed.values())) if speed else None,
+                                  "requests", False)}
+    mem = side.get("memory") or {}
+    held = mem.get("peak_gpu_bytes") if mem.get("peak_gpu_bytes") is not None else mem.get("peak_pss_bytes")
+    out["memory.engine_bytes"] = (held, "bytes", False)
+    out["cost.machine_s_per_k_successful_tasks"] = (cost_figures(side, None).get("machine_s_per_k_successful_tasks"),
+                                                    "s/1k", False)
+    art = side.get("artifact") or {}
+    for name, unit, hib in (("coverage", "fraction", True), ("nonfinite_tensors", "count", False),
+                            ("experts_unrecorded", "count", False)):
+        if name in art:
+            out[f"artifact.{name}"] = (art[name], unit, hib)
     return out
 
 
@@ -143,6 +180,7 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
         r = _get(side, "checks", *name.split("."))
         if isinstance(r, dict) and "value" in r:
             out[name] = (r["value"], unit, hib)
+    out.update(_serving_values(side))
     mem = side.get("memory") or {}
     out["memory.checkpoint_bytes"] = (mem.get("checkpoint_bytes"), "bytes", False)
     out["memory.weight_bytes"] = (mem.get("weight_bytes"), "bytes", False)
@@ -153,7 +191,7 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
         out["memory.peak_gpu_bytes"] = (mem.get("peak_gpu_bytes"), "bytes", False)
         out["memory.gpu_util_mean"] = (mem.get("gpu_util_mean"), "percent", False)
     cost = cost_figures(side, price_per_hour)
-    if cost:
+    if cost and price_per_hour is not None:
         out["cost.usd_per_mtok_output"] = (cost.get("usd_per_mtok_output"), "USD/Mtok", False)
         out["cost.usd_per_k_successful_tasks"] = (cost.get("usd_per_k_successful_tasks"), "USD/1k", False)
     return out

@@ -1,9 +1,10 @@
 """The eval report: report.json (schema quantkit.report/1), report.md and PNG plots.
 
 This module owns the report's facts: its schema, where it lives (REPORT_FILE in EVAL_DIR of an
-artifact), and the metric names a gate may use (METRIC_PATTERNS). Gates and recipes import them.
+artifact). The metric names a gate may use live in quantkit/evaluate/names.py.
 
-report.json top level: schema, created, artifact {path, name, quantization, size_bytes}, baseline
+report.json top level: schema, created, complete (false when a phase failed; quantkit/evaluate/phases.py),
+incomplete (which phases, and why), artifact {path, name, quantization, size_bytes, manifest_sha256}, baseline
 {path, url}, engine {name, version, dtype, baseline/candidate engine facts}, hardware, workload,
 generation, suite, metrics (flat: name -> {baseline, candidate, unit, higher_is_better}, plus "ci95"
 {baseline, candidate, ratio} where a 95% interval exists; the contract with `quantkit gate`), recovery
@@ -20,25 +21,13 @@ from pathlib import Path
 
 from quantkit.evaluate.confidence import DESCRIPTION as CI_DESCRIPTION
 from quantkit.evaluate.metrics import cost_figures, delta, metrics_table, recovery
+from quantkit.evaluate.names import METRIC_PATTERNS  # noqa: F401 - re-exported; its home is names.py
+from quantkit.evaluate.phases import failed_phases
 from quantkit.io import atomic_write_json, atomic_write_text
 
 SCHEMA = "quantkit.report/1"
 REPORT_FILE = "report.json"
 EVAL_DIR = "eval"  # `quantkit eval ARTIFACT` writes into ARTIFACT/eval; `quantkit gate ARTIFACT` reads there
-
-# Metric names a gate may name, as an explicit registry of patterns: the families `metrics_table` writes
-# (tests/test_eval_metrics.py checks every name it produces fits one). Recipes validate gates against these.
-# A name that fits a family but is absent from a report still fails at gate time, saying which names exist.
-METRIC_PATTERNS = (
-    r"quality\.[a-z0-9_]+",                        # quality.perplexity, quality.kl_mean, quality.top1_agreement
-    r"tasks\.[a-z0-9_]+",                           # tasks.mean_acc, tasks.success_rate
-    r"tasks\.[A-Za-z0-9_.-]+\.[a-z0-9_]+",        # tasks.<task>.acc
-    r"speed\.(c[0-9]+|r[0-9]+(\.[0-9]+)?)\.[a-z0-9_]+",  # speed.c4.tpot_ms_p90 (concurrency), speed.r2.* (rate)
-    r"memory\.[a-z0-9_]+",                          # memory.weight_bytes, memory.kv_cache_tokens
-    r"cost\.[a-z0-9_]+",                            # cost.usd_per_mtok_output
-    r"tools\.[a-z0-9_]+",                           # tools.valid_rate, tools.baseline_agreement
-    r"safety\.[a-z0-9_]+",                          # safety.flip_rate, safety.refusal_rate_harmful
-)
 
 
 def default_output(artifact: str | Path) -> Path:
@@ -91,9 +80,14 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
     work = suite["workload"]
     items = context.get("workload_items") or []
     kv_gib = suite.get("kv_cache_gib")
+    incomplete = [why for role, side in (("baseline", baseline), ("candidate", candidate))
+                  for why in failed_phases(side, role, suite)]
+    incomplete += [why for v in variants for why in failed_phases(v, v.get("role", "variant"), suite, speed_only=True)]
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": not incomplete,
+        "incomplete": incomplete,
         "artifact": context["artifact"],
         "baseline": context["baseline"],
         "engine": {"name": eng_c.get("name"), "version": eng_c.get("version"),
@@ -304,6 +298,28 @@ def _kv_cache_lines(r: dict) -> list[str]:
     return L + [""] if L else []
 
 
+def _cost_lines(r: dict) -> list[str]:
+    """Cost per thousand successful tasks in machine-seconds (always), and in USD where the suite has a price."""
+    c = r["cost"]
+    price = c.get("price_per_hour")
+    at = (f"at each model's highest-throughput level (baseline {(c.get('baseline') or {}).get('level')}, candidate "
+          f"{(c.get('candidate') or {}).get('level')})")
+    L = ["## Cost", "", (f"At ${price}/hour, {at}." if price is not None else
+                         f"In machine-seconds, {at}; give the suite a `price_per_hour` for USD."), ""]
+    names = ["cost.machine_s_per_k_successful_tasks"]
+    if price is not None:
+        names += ["cost.usd_per_mtok_output", "cost.usd_per_k_successful_tasks"]
+    return L + _table(r["metrics"], names)
+
+
+def _incomplete_lines(r: dict) -> list[str]:
+    """A banner for a report some phase of which failed: its figures are not evidence, and gates refuse it."""
+    if not r.get("incomplete"):
+        return []
+    return ["", "**INCOMPLETE: these phases failed, so the gates refuse this report (fix the cause and re-run the "
+                "eval):**", *[f"- {why}" for why in r["incomplete"]], ""]
+
+
 def render_markdown(r: dict) -> str:
     m = r["metrics"]
     a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
@@ -316,6 +332,7 @@ def render_markdown(r: dict) -> str:
          f"- hardware: {hw.get('cpu')}, {hw.get('cpu_count')} cores, CPU flags {' '.join(hw.get('cpu_flags') or []) or 'n/a'}, "
          f"{hw.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU {hw.get('gpu') or 'none'}",
          f"- suite `{r['suite']['suite']}`; eval wall time {r.get('wall_s') or 0:.0f} s; report schema {r['schema']}"]
+    L += _incomplete_lines(r)
     if r.get("carried_over"):
         L.append(f"- a serving variant: speed and memory measured under these engine settings; "
                  f"{r['carried_over']['what']} carried over from `{r['carried_over']['from']}`")
@@ -344,14 +361,15 @@ def render_markdown(r: dict) -> str:
         L.append("")
     L += _checks_markdown(r)
     L += ["## Memory", ""]
-    L += _table(m, ["memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens", "memory.peak_rss_bytes",
+    L += _table(m, ["memory.engine_bytes", "memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens",
+                    "memory.peak_rss_bytes",
                     "memory.peak_pss_bytes", "memory.peak_gpu_bytes", "memory.gpu_util_mean"])
     L += _kv_cache_lines(r)
     src = ((r["details"].get("candidate") or {}).get("memory") or {}).get("weight_bytes_source")
     if src:
         L += [f"Weight memory source: {src}. Peak RSS sums the engine's processes (shared pages counted in each); "
               "PSS splits shared pages.", ""]
-    levels = sorted({n.split(".")[1] for n in m if n.startswith("speed.")},
+    levels = sorted({n.split(".")[1] for n in m if n.startswith("speed.") and n.count(".") == 2},
                     key=lambda s: (s[0] != "c", float(s[1:])))
     L += ["## Speed", "",
           f"Workload: {w['num_requests']} requests per level, prompt {w['prompt_tokens'][0]}–{w['prompt_tokens'][1]} tokens, "
@@ -365,10 +383,7 @@ def render_markdown(r: dict) -> str:
                                                "output_tok_s", "requests_s", "failed", "queue_ms_mean",
                                                "kv_cache_usage_max", "preemptions")]
         L += _table(m, names, {n: n.split(".", 2)[2] for n in names})
-    if r["cost"].get("price_per_hour") is not None:
-        L += ["## Cost", "", f"At ${r['cost']['price_per_hour']}/hour, at each model's highest-throughput level "
-              f"(baseline {r['cost']['baseline'].get('level')}, candidate {r['cost']['candidate'].get('level')}).", ""]
-        L += _table(m, ["cost.usd_per_mtok_output", "cost.usd_per_k_successful_tasks"])
+    L += _cost_lines(r)
     L += ["## Where the wait is", ""]
     for role, lines in r["where_the_wait_is"].items():
         L.append(f"**{role}**")

@@ -28,17 +28,20 @@ from quantkit.engine import ENGINES, EngineError
 from quantkit.engine.client import ServerError, prompt_logprobs
 from quantkit.engine.prom import kv_capacity_tokens
 from quantkit.engine.vllm_server import stop_stale_engines
-from quantkit.errors import QuantkitError
+from quantkit.errors import EXIT_ENVIRONMENT, QuantkitError
 from quantkit.evaluate import baseline_cache as BC
 from quantkit.evaluate import chat_checks as CC
 from quantkit.evaluate import quality as Q
 from quantkit.evaluate.memory import memory_figures
+from quantkit.evaluate.phases import failed_phases
+from quantkit.export.coverage import export_coverage
+from quantkit.export.manifest import MANIFEST
 from quantkit.evaluate.reference import reference_perplexity
 from quantkit.evaluate.speed import build_workload, run_speed
 from quantkit.evaluate.suite import load_suite, resolve_file
 from quantkit.evaluate.tasks import TaskError, run_tasks
 from quantkit.hardware import hardware
-from quantkit.io import atomic_write_json
+from quantkit.io import atomic_write_json, sha256_file
 from quantkit.locks import exclusive, lock_beside
 from quantkit.model.sources import load_tokenizer
 from quantkit.recipe import EvalSpec, parallelism
@@ -122,9 +125,8 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
             progress(f"[{side.role}] starting engine for {side.url or side.model_dir}")
             _measure(side, spec, output, tokenizer, tok_dir, items, warmup, base_quality, served_model, progress,
                      base_checks=base_checks)
-            if cache is not None and not any("error" in (side.data.get(k) or {}) for k in ("quality", "tasks")) \
-                    and not _checks_failed(side.data):
-                BC.store(cache[0], cache[1], side.data, side.quality, output)
+            if cache is not None and not failed_phases(side.data, side.role, spec.model_dump(mode="json")):
+                BC.store(cache[0], cache[1], side.data, side.quality, output)  # never an incomplete side
         if side.role == "baseline":
             base_quality = side.quality
             base_checks = side.data.get("checks")
@@ -144,17 +146,34 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
         atomic_write_json(output / "raw" / f"{vs.role}.json", vs.data)
         variants.append(vs.data)
 
+    if artifact is not None:  # the export itself: is everything the plan meant to quantize quantized, and finite?
+        cand.data["artifact"] = export_coverage(artifact, manifest)
+        atomic_write_json(output / "raw" / "candidate.json", cand.data)
     context = {"artifact": {"path": str(artifact) if artifact else None, "name": name,
                             "quantization": (manifest or {}).get("quantization"),
-                            "size_bytes": (manifest or {}).get("size_bytes")},
+                            "size_bytes": (manifest or {}).get("size_bytes"),
+                            "manifest_sha256": sha256_file(artifact / MANIFEST) if artifact else None},
                "baseline": {"path": str(baseline) if baseline else None, "url": baseline_url, "reused": reused},
                "suite": spec.model_dump(mode="json"), "hardware": hardware(), "wall_s": time.perf_counter() - t_start,
                "workload_items": [{"prompt_tokens": len(i.prompt_ids), "output_tokens": i.output_tokens} for i in items]}
     by_role = {s.role: s.data for s in sides}
-    write_report(output, context, by_role.get("baseline"), by_role["candidate"], variants)
+    report = write_report(output, context, by_role.get("baseline"), by_role["candidate"], variants)
     shutil.rmtree(output / "cache", ignore_errors=True)
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
+    refuse_incomplete(report, output)
     return output
+
+
+class IncompleteEval(QuantkitError):
+    """A phase of the eval failed: the report is written (it records what failed), but it is not evidence."""
+
+    exit_code = EXIT_ENVIRONMENT
+
+
+def refuse_incomplete(report: dict, output: Path) -> None:
+    if report.get("incomplete"):
+        raise IncompleteEval(f"the eval is incomplete: {'; '.join(report['incomplete'])}. {output / 'report.json'} "
+                             "records it and the gates refuse it; fix the cause and re-run `quantkit eval`")
 
 
 def _workload(spec: EvalSpec, tokenizer) -> tuple[list[Path], list, list]:
@@ -214,9 +233,10 @@ def run_serving_variant(artifact: Path, spec: EvalSpec, engine_args: dict, quali
                    "carried_over": {"from": str(quality_report),
                                     "what": "quality, tasks, chat checks and the reference column (candidate); "
                                             "the whole baseline"}}
-        write_report(output, context, details.get("baseline"), cand, [])
+        report = write_report(output, context, details.get("baseline"), cand, [])
         shutil.rmtree(output / "cache", ignore_errors=True)
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
+    refuse_incomplete(report, output)
     return output / "report.json"
 
 
@@ -293,7 +313,7 @@ def _measure(side: _Side, spec: EvalSpec, output: Path, tokenizer, tok_dir: Path
         t = time.perf_counter()
         w = spec.workload
         # an engine that has just served the chat checks (generation at check_concurrency) needs no warm-up
-        served = bool(d.get("checks")) and not _checks_failed(d)
+        served = bool(d.get("checks")) and not any("error" in v for v in d["checks"].values())
         d["speed"] = run_speed(ep, items, [] if served else warmup, w.concurrency, w.request_rates, w.temperature,
                                w.seed, progress=lambda m: progress(f"[{side.role}] {m}"))
         timings["speed_s"] = time.perf_counter() - t
@@ -340,11 +360,6 @@ def _kv_cache_settings(side: _Side, engine_args: dict, progress, engine_dtype: s
                              "reason": note if user else kv["reason"], "engine_args": args or user}
     progress(f"[{side.role}] KV cache: {note}")
     return args
-
-
-def _checks_failed(data: dict) -> bool:
-    """Did any of a side's chat checks end in an error (none run: False)?"""
-    return any("error" in v for v in (data.get("checks") or {}).values())
 
 
 def _leaving_a_core(fn: Callable[[], None]) -> None:

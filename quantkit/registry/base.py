@@ -4,8 +4,10 @@ A backend (MLflow, Hugging Face Hub) implements RegistryClient: upload a prepare
 and show versions, read and move aliases, download a version's files. The checks live here, once:
 
 - prepare_bundle() refuses an artifact whose manifest checksums do not verify, whose eval report is
-  missing, or whose gate.json is missing, failing or computed for another report; then it renders the
-  model card and the tags. Files are checked when the bundle is prepared and again (by size, and by
+  missing or was measured on another manifest, whose report fails the artifact's own gates re-checked
+  (quantkit.gates.redecide: the recipe's gates, the scheme's defaults for what the recipe leaves ungated,
+  and the integrity gates), or whose gate.json is missing, stale, lacks one of those gates or disagrees;
+  then it renders the model card and the tags. Files are checked when the bundle is prepared and again (by size, and by
   sha256 where the backend reports one) after upload, and by sha256 on every pull.
 - Layout of a version (the same on every backend): the export's files at the root (so the pulled folder
   is what vLLM loads), README.md (model card), quantkit/report.json and quantkit/gate.json.
@@ -25,7 +27,7 @@ from pathlib import Path
 from quantkit.export.card import render_card
 from quantkit.export.manifest import MANIFEST, read_manifest, verify
 from quantkit.evaluate.report import default_report_path
-from quantkit.gates import GateError, check_gate_file, gate_path, read_report
+from quantkit.gates import GateError, check_gate_file, gate_path, read_report, redecide
 from quantkit.io import atomic_write_text, sha256_file
 
 REPORT_IN_VERSION = "quantkit/report.json"
@@ -202,16 +204,14 @@ def prepare_bundle(artifact: str | Path, name: str, staging: Path, report: str |
                             "then `quantkit gate`, or pass --report")
     try:
         rep = read_report(report_path)
+        rep_art = rep.get("artifact") or {}
+        if rep_art.get("name") and rep_art["name"] != man.get("name"):
+            raise GateError(f"{report_path} is the report of {rep_art['name']!r}, not of {man.get('name')!r}; "
+                            "pass the right --report")
+        redecide(art, report_path)  # the verdict recomputed with the artifact's own gates; gate.json is a record
         gate = check_gate_file(report_path)
     except GateError as exc:
         raise RegistryError(f"refusing to publish {art}: {exc}") from None
-    rep_art = rep.get("artifact") or {}
-    if rep_art.get("name") and rep_art["name"] != man.get("name"):
-        raise RegistryError(f"refusing to publish {art}: {report_path} is the report of {rep_art['name']!r}, "
-                            f"not of {man.get('name')!r}; pass the right --report")
-    if rep_art.get("manifest_sha256") and rep_art["manifest_sha256"] != sha256_file(art / MANIFEST):
-        raise RegistryError(f"refusing to publish {art}: {report_path} was measured on a different manifest.json "
-                            "(the artifact changed after the eval); re-run `quantkit eval` and `quantkit gate`")
     files = [(art / fname, fname) for fname in sorted(man.get("files", {}))] + [(art / MANIFEST, MANIFEST)]
     card_rel = CARD if CARD not in man.get("files", {}) else "quantkit/README.md"
     card = staging / "README.md"
