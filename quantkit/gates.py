@@ -8,9 +8,9 @@ engine memory ratio <= 1, TPOT p50 ratio <= 1). The rules:
   value is null, zero-baseline or not finite, FAILS and says why. Nothing is skipped silently. A metric
   name with '*' (tasks.*.acc) is one gate per matching metric; none matching fails.
 - An incomplete report (a phase failed: quantkit/evaluate/phases.py) fails its first row, whatever else passes.
-- Which gates: the recipe's own (stored in the artifact's manifest), plus, for every family the recipe
-  leaves ungated (quality, tasks, memory, speed, cost, checks, generation, artifact), the defaults below;
-  plus the integrity gates, always. `effective_gates` is that one set; `quantkit gate` runs it unless given
+- Which gates: the recipe's own (stored in the artifact's manifest), plus every default below on a metric
+  the recipe does not gate itself (a recipe's `quality.perplexity <= 1.10` replaces the default perplexity
+  gate; gating the weight memory does not drop the engine-memory gate), plus the integrity gates, always. `effective_gates` is that one set; `quantkit gate` runs it unless given
   gates explicitly, and `quantkit publish` re-decides with it (`redecide`): gate.json is a record, never
   the authority.
 - With `confidence: 0.95` a gate passes only if its whole 95% interval passes too (from the metric's
@@ -53,7 +53,6 @@ from quantkit.evaluate.metrics import fmt_value
 from quantkit.evaluate.report import EVAL_DIR, REPORT_FILE, default_report_path
 from quantkit.evaluate.report import SCHEMA as REPORT_SCHEMA
 from quantkit.io import atomic_write_json, atomic_write_text, sha256_file
-from quantkit.evaluate.names import family
 from quantkit.recipe import GateSpec
 from quantkit.schemes import BAR_4BIT, SCHEMES, QualityBar
 
@@ -303,10 +302,10 @@ def effective_gates(man: dict) -> tuple[list[GateSpec], str]:
     except ValidationError as exc:
         raise GateError(f"the artifact's manifest has invalid recipe.gates ({exc.errors()[0]['msg']}); "
                         "re-convert with a fixed recipe") from None
-    gated = {family(g.metric) for g in own}
+    gated = {g.metric for g in own}
     schemes = manifest_schemes(man)
-    added = [g for fam, gs in default_gates(schemes).items() if fam not in gated or fam in INTEGRITY_FAMILIES
-             for g in gs if g not in own]
+    added = [g for fam, gs in default_gates(schemes).items() for g in gs
+             if (g.metric not in gated or fam in INTEGRITY_FAMILIES) and g not in own]
     anomaly = [] if recipe.get("accept_anomalies") else [ANOMALY]
     source = (f"recipe ({len(own)}) + defaults for {'+'.join(schemes) or 'an unknown scheme'} "
               f"({len(added) + len(anomaly)})" if own else f"defaults for {'+'.join(schemes) or 'an unknown scheme'}")

@@ -2,8 +2,10 @@
 # The main job on the built-in demo, on the CPU: fetch SmolLM2-135M -> convert (W8A8 RTN, W4A16 GPTQ)
 # -> eval against the bf16 baseline in vLLM -> gate -> publish to the embedded registry -> show it.
 # The baseline is measured once and reused by the second eval (quantkit.evaluate.baseline_cache).
-# Exit status: 0 when every artifact this machine can serve was evaluated, passed its gates and was
-# published; 1 otherwise (CI runs this script exactly as the README gives it).
+# Each artifact this machine can serve is evaluated, gated and offered to publish, which re-decides from the
+# report; the last lines say what was decided for each and why. Exit status: 0 when every step ran and every
+# decision agrees with its gates (an artifact not worth serving on this machine is a decision, not a
+# failure); 1 when a step failed or gate and publish disagree (CI runs this script as the README gives it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/quantkit ] || bash scripts/install.sh
@@ -23,24 +25,36 @@ quantkit inspect runs/smollm2-w4a16-gptq
 
 failed=0
 published=0
+decisions=()
 for run in smollm2-w8a8-rtn smollm2-w4a16-gptq; do
   step "runs/$run"
   if ! quantkit capability "runs/$run"; then
-    echo "runs/$run: not served on this machine (the reason is above); its eval is skipped"
+    decisions+=("runs/$run: not served on this machine (the reason is above); its eval is skipped")
     continue
   fi
-  quantkit eval "runs/$run" --overwrite
-  if quantkit gate "runs/$run"; then
-    quantkit publish "runs/$run"
+  if ! quantkit eval "runs/$run" --overwrite; then
+    decisions+=("runs/$run: the eval failed or is incomplete (above): no decision")
+    failed=1
+    continue
+  fi
+  # the gate decides; publish re-decides from the report with the artifact's own gates and must agree
+  set +e
+  quantkit gate "runs/$run"; gate_rc=$?
+  quantkit publish "runs/$run"; publish_rc=$?
+  set -e
+  if [ "$gate_rc" -eq 0 ] && [ "$publish_rc" -eq 0 ]; then
+    decisions+=("runs/$run: passed every gate; published")
     published=$((published + 1))
+  elif [ "$gate_rc" -eq 1 ] && [ "$publish_rc" -eq 2 ]; then
+    decisions+=("runs/$run: not worth serving on this machine (the failing gates are above); publish refused it too")
   else
-    echo "runs/$run did not pass its gates: not published"
+    decisions+=("runs/$run: gate exited $gate_rc and publish $publish_rc: a step failed or the two disagree")
     failed=1
   fi
 done
 step "registry"
 quantkit registry list
+step "decisions"
+printf '%s\n' "${decisions[@]}"
 echo "demo finished in ${SECONDS} s: ${published} artifact(s) published"
-if [ "$published" -eq 0 ] || [ "$failed" -ne 0 ]; then
-  exit 1
-fi
+exit "$failed"
