@@ -73,23 +73,6 @@ def bf16(t):
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-def int8_gemm_pair_saturated(qa, qb, chunk: int = 8):
-    """A non-VNNI int8 GEMM as oneDNN's AVX2/AVX-512 `gemm:jit` s8s8 kernel computes it: activations made
-    unsigned (+128), products of consecutive k pairs summed into a saturating int16 (vpmaddubsw), the
-    int32 sum, minus the 128 * sum(w) compensation. qa [M, K], qb [N, K] integer codes -> int64 [M, N]."""
-    import torch
-
-    u = qa.to(torch.int32) + 128
-    s = qb.to(torch.int32)
-    M, K = u.shape
-    out = torch.empty(M, s.shape[0], dtype=torch.int64)
-    for m0 in range(0, M, chunk):
-        prod = u[m0:m0 + chunk, None, :] * s[None, :, :]  # [m, N, K]
-        pairs = prod.reshape(prod.shape[0], prod.shape[1], K // 2, 2).sum(-1).clamp(-32768, 32767)
-        out[m0:m0 + chunk] = pairs.sum(-1, dtype=torch.int64)
-    return out - 128 * s.sum(-1, dtype=torch.int64)[None, :]
-
-
 def int_gemm(qa, qb):
     """Exact integer product of codes (float64 holds every partial sum here exactly)."""
     return qa.double() @ qb.double().t()
@@ -247,7 +230,7 @@ def analyse_w8a8(nm, lin, x, y_float, y_ref, engine, isa_out, dtype) -> dict:
     }
     qx, sx = nm.int8_per_token(x)
     ops["int8_gemm_int16_pair_saturation (oneDNN s8s8 without VNNI)"] = (
-        int8_gemm_pair_saturated(qx, qw).double() * sx.double() * s_w)
+        nm.int8_gemm_int16_pairs(qx, qw).double() * sx.double() * s_w)
     single = {k: both(nm, v, y_float, y_ref) for k, v in ops.items()}
 
     # the activation codes each engine path actually used, against quantkit's
@@ -281,7 +264,7 @@ def analyse_w8a8(nm, lin, x, y_float, y_ref, engine, isa_out, dtype) -> dict:
         r = res[name]
         codes[f"vllm_onednn_{isa}_vs_quantkit"] = float((r["q"] != qx).double().mean())
         exact = int_gemm(r["q"], qw) * r["s"].double() * s_w
-        sat = int8_gemm_pair_saturated(r["q"], qw).double() * r["s"].double() * s_w
+        sat = nm.int8_gemm_int16_pairs(r["q"], qw).double() * r["s"].double() * s_w
         emul[f"vllm_onednn_fp32[{isa}]"] = {
             "gemm_vs_exact_integer_math": nm.compare(r["y"], exact),
             "emulation_with_int16_pair_saturation_vs_vllm": nm.compare(sat, r["y"]),

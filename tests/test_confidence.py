@@ -120,15 +120,25 @@ def test_bootstrap_interval_contains_point_and_narrows_with_more_windows():
     assert widths[1] < widths[0] / 2  # about 1/sqrt(16) as wide; at least half as wide
 
 
-def test_bootstrap_matches_an_independent_resampling():
-    lps = _lp_windows(20, seed=5)
-    side = {"quality": _quality(lps)}
-    lo, hi = C.intervals(None, side)["quality.perplexity"]["candidate"]
-    num = np.array(side["quality"]["windows"]["logprob_sum"])
-    den = np.array(side["quality"]["windows"]["positions"], dtype=float)
-    idx = np.random.default_rng(C.SEED).integers(0, 20, size=(C.RESAMPLES, 20))
-    ppl = np.exp(-num[idx].sum(axis=1) / den[idx].sum(axis=1))
-    assert [lo, hi] == pytest.approx(list(np.quantile(ppl, [0.025, 0.975])), rel=1e-12)
+def test_bootstrap_interval_covers_the_true_perplexity_about_95_percent_of_the_time():
+    """Coverage on synthetic data whose true perplexity is known. Each trial draws 50 windows of 64-512
+    positions; a window's mean NLL is uniform on [2.5, 4.5] (windows differ in difficulty) and its tokens
+    add N(0, 1) noise each, so the per-token NLL has mean 3.5 and the true perplexity is exp(3.5). Over
+    1000 trials a 95% interval should contain it in about 950. Binomial spread at p = 0.95, n = 1000:
+    sd 0.0069, so 3 sd is about 0.021 either side; below, a further 0.02 is allowed for the percentile
+    bootstrap's known shortfall at 50 windows (it uses the plug-in variance and normal-like tails:
+    measured 0.940 over 8000 trials). A 90% or a 99% interval fails here (0.872 and 0.983 on these trials)."""
+    rng = np.random.default_rng(2024)
+    truth, trials, n = math.exp(3.5), 1000, 50
+    covered = 0
+    for _ in range(trials):
+        pos = rng.integers(64, 513, size=n)
+        nll = pos * rng.uniform(2.5, 4.5, size=n) + np.sqrt(pos) * rng.normal(0.0, 1.0, size=n)
+        side = {"quality": {"perplexity": math.exp(nll.sum() / pos.sum()),
+                            "windows": {"logprob_sum": (-nll).tolist(), "positions": pos.tolist()}}}
+        lo, hi = C.intervals(None, side)["quality.perplexity"]["candidate"]
+        covered += lo <= truth <= hi
+    assert 0.91 <= covered / trials <= 0.975, covered / trials
 
 
 def test_paired_ratio_of_identical_sides_is_exactly_one_and_deterministic():

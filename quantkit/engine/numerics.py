@@ -219,6 +219,28 @@ def compressed_tensors_reference(lin: ExportedLinear, x: torch.Tensor) -> torch.
     return (xa[0].double() @ dequantize_compressed_tensors(lin).double().t())
 
 
+def int8_gemm_int16_pairs(qa: torch.Tensor, qb: torch.Tensor, rows: int = 8) -> torch.Tensor:
+    """Integer product qa @ qb^T of int8 codes (qa [M, K], qb [N, K]; int64 [M, N]) as oneDNN's s8s8 GEMM
+    (`gemm:jit`) computes it on a CPU without VNNI (AVX2, AVX-512 without VNNI): the activation codes are
+    made unsigned (+128), `vpmaddubsw` adds the two products of each adjacent pair of k (2i, 2i+1) into an
+    int16 that saturates at [-32768, 32767], those pair sums are added exactly, and 128 * sum_k qb[n, k]
+    is taken off again. A pair saturates only when both unsigned codes are large and both weights share a
+    sign (e.g. 255 * 127 * 2 > 32767), so most outputs are exact. With VNNI (or AMX) the products are
+    summed in int32 and the result is plain qa @ qb^T."""
+    u = qa.to(torch.int32) + 128
+    w = qb.to(torch.int32)
+    if u.shape[1] % 2:  # an odd K gets a zero weight column: its pair adds nothing
+        u = torch.nn.functional.pad(u, (0, 1))
+        w = torch.nn.functional.pad(w, (0, 1))
+    out = torch.empty(u.shape[0], w.shape[0], dtype=torch.int64)
+    w_pairs = w.reshape(w.shape[0], -1, 2)  # [N, K/2, 2]
+    for r0 in range(0, u.shape[0], rows):  # a block of rows at a time bounds the [rows, N, K/2] temporary
+        u_pairs = u[r0:r0 + rows].reshape(-1, 1, w_pairs.shape[1], 2)  # [rows, 1, K/2, 2]
+        pair_sums = (u_pairs * w_pairs.unsqueeze(0)).sum(-1).clamp_(-32768, 32767)
+        out[r0:r0 + rows] = pair_sums.sum(-1, dtype=torch.int64)
+    return out - 128 * w.sum(-1, dtype=torch.int64).unsqueeze(0)
+
+
 # -------------------------------------------------------------------------------------------- metrics
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """||y - ref|| / ||ref|| (Frobenius), in float64."""
