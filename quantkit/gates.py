@@ -27,8 +27,8 @@ Defaults (relative = candidate / baseline, measured in the same eval on the same
   machine-seconds per thousand successful tasks ratio <= 1. A quantized artifact that is slower, larger in
   the engine or costlier than its baseline on this machine is not worth serving here;
 - checks: tool-call agreement with the baseline >= 0.75, safety flip rate <= 0.10 (failed requests count
-  against both: quantkit/evaluate/chat_checks.py); generation: no degenerate greedy reply (empty,
-  repetitive or invalid text) where the baseline had none;
+  against both: quantkit/evaluate/chat_checks.py); generation: no more degenerate greedy
+  replies (empty, repetitive or invalid text) than the baseline gives on the same prompts;
 - integrity (always): every module the plan meant to quantize is quantized in the export, no non-finite
   scale or zero point, every MoE expert's calibration recorded; and an anomaly flag: a candidate whose
   perplexity ratio's whole 95% interval lies below 1 (better than its own baseline beyond the noise, which
@@ -110,7 +110,7 @@ def default_gates(schemes: list[str] | str | None) -> dict[str, tuple[GateSpec, 
                   _g("speed.failed_requests", "<=", 0, False)),
         "cost": (_g("cost.machine_s_per_k_successful_tasks", "<=", 1.0, True),),
         "checks": (_g("tools.baseline_agreement", ">=", 0.75, False), _g("safety.flip_rate", "<=", 0.10, False)),
-        "generation": (_g("generation.new_degenerate_rate", "<=", 0, False),),
+        "generation": (_g("generation.degenerate_excess", "<=", 0, False),),
         "artifact": (_g("artifact.coverage", ">=", 1.0, False), _g("artifact.nonfinite_tensors", "<=", 0, False),
                      _g("artifact.experts_unrecorded", "<=", 0, False)),
     }

@@ -34,7 +34,7 @@ GOOD_METRICS = {
                                               "higher_is_better": False},
     "tools.baseline_agreement": {"baseline": 1.0, "candidate": 0.9, "unit": "fraction", "higher_is_better": True},
     "safety.flip_rate": {"baseline": 0.0, "candidate": 0.025, "unit": "fraction", "higher_is_better": False},
-    "generation.new_degenerate_rate": {"baseline": None, "candidate": 0.0, "unit": "fraction", "higher_is_better": False},
+    "generation.degenerate_excess": {"baseline": None, "candidate": 0.0, "unit": "fraction", "higher_is_better": False},
     "artifact.coverage": {"baseline": None, "candidate": 1.0, "unit": "fraction", "higher_is_better": True},
     "artifact.nonfinite_tensors": {"baseline": None, "candidate": 0.0, "unit": "count", "higher_is_better": False},
     "artifact.experts_unrecorded": {"baseline": None, "candidate": 0.0, "unit": "count", "higher_is_better": False},

@@ -214,11 +214,12 @@ def test_confidence_gate_passes_a_clearly_good_report(tmp_path):
     gates = [gate("quality.perplexity", "<=", 1.05, True), gate("quality.top1_agreement", ">=", 0.9)]
     gr = run_gates(report, gates)
     assert gr.passed, [r.reason for r in gr.results]
-    ppl = gr.results[0]
+    assert gr.results[0].name == "report complete"  # every verdict's first row
+    ppl = gr.results[1]
     assert ppl.interval == pytest.approx([math.exp(0.02)] * 2) and "so does all of the 95% interval" in ppl.reason
     saved = json.loads((report.parent / "gate.json").read_text())
-    assert saved["gates"][0]["confidence"] == 0.95 and saved["gates"][0]["interval"] == ppl.interval
-    assert saved["gates"][1]["interval"][0] > 0.9
+    assert saved["gates"][1]["confidence"] == 0.95 and saved["gates"][1]["interval"] == ppl.interval
+    assert saved["gates"][2]["interval"][0] > 0.9
 
 
 def test_confidence_gate_fails_an_inconclusive_report():
@@ -247,11 +248,12 @@ def test_confidence_gate_fails_an_inconclusive_report():
 
 
 def test_confidence_gate_without_an_interval_fails_and_says_so():
-    r = evaluate_gate(gate("quality.perplexity", "<=", 1.05, True), GOOD_METRICS)  # an old report: no ci95
+    old = {k: {f: v for f, v in m.items() if f != "ci95"} for k, m in GOOD_METRICS.items()}  # a report before intervals
+    r = evaluate_gate(gate("quality.perplexity", "<=", 1.05, True), old)
     assert not r.passed and "no interval for quality.perplexity" in r.reason and r.interval is None
     r = evaluate_gate(gate("speed.c1.tpot_ms_p50", "<=", 0.9, True), GOOD_METRICS)
     assert not r.passed and "no interval" in r.reason
-    r = evaluate_gate(gate("quality.perplexity", "<=", 1.01, True), GOOD_METRICS)  # the point fails: said as before
+    r = evaluate_gate(gate("quality.perplexity", "<=", 1.01, True), old)  # the point fails: said as before
     assert not r.passed and r.reason == "ratio 1.02 violates <= 1.01"
     # a relative task gate: each side has an interval, the ratio has none; refused, not guessed
     base, cand = _sides()
@@ -262,10 +264,10 @@ def test_confidence_gate_without_an_interval_fails_and_says_so():
 def test_old_report_gates_exactly_as_before_without_confidence(tmp_path):
     art = make_artifact(tmp_path / "art", gates=[{"metric": "quality.perplexity", "op": "<=", "threshold": 1.05,
                                                    "relative": True}])
-    report = make_report(art)  # GOOD_METRICS: no ci95 anywhere
+    report = make_report(art)  # GOOD_METRICS: a ci95 on the perplexity only (for the anomaly gate)
     gr = run_gates(report)
-    assert gr.passed and gr.source == "recipe"
-    r = gr.results[0]
+    assert gr.passed and gr.source.startswith("recipe (1)")
+    r = gr.results[1]  # after "report complete"
     assert (r.value, r.reason, r.confidence, r.interval) == (pytest.approx(1.02), "ratio 1.02 <= 1.05", None, None)
     # the same gate on a report with intervals: without `confidence` they change nothing
     base, cand = _sides(n_windows=12, shift=0.3)

@@ -260,8 +260,15 @@ def test_failed_generation_requests_are_degenerate_and_new():
                                                   [None, None, "HTTP 500", None])}
     CC.compare_checks(base, cand)
     g = cand["generation"]
-    assert g["degenerate_rate"]["value"] == 0.5 and g["new_degenerate_rate"]["value"] == 0.5
+    assert g["degenerate_rate"]["value"] == 0.5 and g["degenerate_excess"]["value"] == 0.5
     assert g["new_degenerate"] == ["g2", "g3"]
+    # the baseline looping on another prompt offsets one: one each is no excess, two against one is
+    looping = {"generation": CC.summarize_generation(items, ["no no no " * 20, ok, ok, ok], [None] * 4)}
+    one = {"generation": CC.summarize_generation(items, [ok, ok, ok, "no no no " * 20], [None] * 4)}
+    CC.compare_checks(looping, one)
+    CC.compare_checks(looping, cand)
+    assert one["generation"]["degenerate_excess"]["value"] == 0.0 and one["generation"]["new_degenerate"] == ["g3"]
+    assert cand["generation"]["degenerate_excess"]["value"] == 0.25
 
 
 @pytest.mark.parametrize("text, why", [

@@ -26,7 +26,8 @@ has agreement 1 and flip rate 0, like its divergence.
 
 Generation (`evals/data/qk_generation.jsonl`): a dozen everyday chat prompts answered greedily; a reply that
 is empty, repetitive or not text (checks.degenerate) is degenerate. `degenerate_rate` per side, and the
-candidate's `new_degenerate_rate`: the share of prompts its reply is degenerate where the baseline's is not.
+candidate's `degenerate_excess`: its degenerate share minus the baseline's on the same prompts (and
+`new_degenerate`: the prompts where only the candidate's reply is degenerate).
 
 A failed request always counts against the model, never for it: a failed tool request is a miss on every tool
 rate and a disagreement; a failed safety request counts as answered on a harmful prompt, as refused on a benign
@@ -259,9 +260,14 @@ def compare_checks(base: dict | None, cand: dict) -> None:
     bg, cg = (base or {}).get("generation"), cand.get("generation")
     if _usable(bg) and _usable(cg):
         b = {r["id"]: r for r in bg["records"]}
-        new = [r["id"] for r in cg["records"] if r["degenerate"] and not (b.get(r["id"]) or {}).get("degenerate")]
-        cg["new_degenerate_rate"] = C.rate(len(new), len(cg["records"]))
-        cg["new_degenerate"] = new
+        cg["new_degenerate"] = [r["id"] for r in cg["records"]
+                                if r["degenerate"] and not (b.get(r["id"]) or {}).get("degenerate")]
+        # a tiny model loops on some prompt either way; the gate asks for no more degenerate replies than the
+        # baseline's on the same prompts (a missing baseline reply counts as a fine one)
+        base_bad = sum(bool((b.get(r["id"]) or {}).get("degenerate")) for r in cg["records"])
+        n = len(cg["records"])
+        cg["degenerate_excess"] = {"value": (sum(bool(r["degenerate"]) for r in cg["records"]) - base_bad) / n
+                                   if n else None, "items": n}
 
 
 def _usable(section) -> bool:

@@ -35,7 +35,7 @@ CHECK_METRICS = {
     "safety.refusal_rate_benign": ("fraction", False),
     "safety.flip_rate": ("fraction", False),
     "generation.degenerate_rate": ("fraction", False),
-    "generation.new_degenerate_rate": ("fraction", False),
+    "generation.degenerate_excess": ("fraction", False),
 }
 PCTS = (50, 90, 99)
 
