@@ -62,9 +62,13 @@ def test_recipe_gates_are_used_and_gate_json_written(tmp_path):
                                                 "relative": True}])
     rep = make_report(art)
     gr = run_gates(rep)
-    assert gr.source == "recipe" and [r.metric for r in gr.results] == ["quality.perplexity"] and gr.passed
+    # completeness, the recipe's gate, then the W8A8 defaults on other metrics (16 rows, tasks.*.acc expanded)
+    assert gr.source == "recipe (1) + defaults for W8A8 (16)" and gr.passed
+    assert [r.metric for r in gr.results[:2]] == ["report.complete", "quality.perplexity"]
+    assert [r.threshold for r in gr.results if r.metric == "quality.perplexity" and r.bound is None] == [1.05]
     saved = json.loads(gate_path(rep).read_text())
-    assert saved["passed"] is True and saved["summary"] == "PASS 1/1" and saved["gates"][0]["value"] == pytest.approx(1.02)
+    assert saved["passed"] is True and saved["summary"] == "PASS 18/18"
+    assert saved["gates"][1]["value"] == pytest.approx(1.02)
     assert check_gate_file(rep)["passed"]
 
 
@@ -76,11 +80,22 @@ def test_default_gates_per_scheme(tmp_path, scheme):
     gr = run_gates(make_report(art, metrics))
     assert gr.source == f"defaults for {scheme}"
     # the table in quantkit/gates.py's docstring, written out by hand: (metric, op, threshold, relative)
-    expected = {"W8A8": [("quality.perplexity", "<=", 1.05, True), ("quality.top1_agreement", ">=", 0.90, False),
-                         ("tasks.mean_acc", ">=", 0.97, True), ("memory.weight_bytes", "<=", 0.65, True)],
-                "W4A16": [("quality.perplexity", "<=", 1.35, True), ("quality.top1_agreement", ">=", 0.75, False),
-                          ("tasks.mean_acc", ">=", 0.90, True), ("memory.weight_bytes", "<=", 0.45, True)]}[scheme]
-    assert [(r.metric, r.op, r.threshold, r.relative) for r in gr.results] == expected
+    by_scheme = {"W8A8": [("quality.perplexity", "<=", 1.05, True), ("quality.top1_agreement", ">=", 0.90, False),
+                          ("tasks.mean_acc", ">=", 0.97, True), ("tasks.qk_suite.acc", ">=", 0.90, True),
+                          ("memory.weight_bytes", "<=", 0.65, True)],
+                 "W4A16": [("quality.perplexity", "<=", 1.35, True), ("quality.top1_agreement", ">=", 0.75, False),
+                           ("tasks.mean_acc", ">=", 0.90, True), ("tasks.qk_suite.acc", ">=", 0.83, True),
+                           ("memory.weight_bytes", "<=", 0.45, True)]}[scheme]
+    every_scheme = [("memory.engine_bytes", "<=", 1.0, True), ("speed.decode_tpot_ms_p50", "<=", 1.0, True),
+                    ("speed.peak_output_tok_s", ">=", 1.0, True), ("speed.failed_requests", "<=", 0.0, False),
+                    ("cost.machine_s_per_k_successful_tasks", "<=", 1.0, True),
+                    ("tools.baseline_agreement", ">=", 0.75, False), ("safety.flip_rate", "<=", 0.10, False),
+                    ("generation.degenerate_excess", "<=", 0.0, False), ("artifact.coverage", ">=", 1.0, False),
+                    ("artifact.nonfinite_tensors", "<=", 0.0, False), ("artifact.experts_unrecorded", "<=", 0.0, False),
+                    ("quality.perplexity", ">=", 1.0, True)]  # the last: the anomaly gate (interval's upper bound)
+    expected = [("report.complete", "==", 1.0, False)] + by_scheme + every_scheme
+    got = [(r.metric, r.op, r.threshold, r.relative) for r in gr.results]
+    assert sorted(got) == sorted(expected)
     assert gr.passed, [r.reason for r in gr.results]  # within every default of its scheme
     if scheme == "W4A16":  # the W8A8-sized checkpoint would not pass W4A16's memory gate
         assert not run_gates(make_report(art), write=False).passed
@@ -102,8 +117,7 @@ def test_stale_or_failing_gate_file_is_refused(tmp_path):
     with pytest.raises(GateError, match="different report.json"):
         check_gate_file(rep)
     assert not run_gates(rep).passed
-    with pytest.raises(GateError, match="gates failed .*quality.perplexity"):
-        check_gate_file(rep)
+    assert check_gate_file(rep)["passed"] is False  # a record of the failure; publish re-decides (test_trust_chain)
 
 
 def test_bad_report_is_an_error_not_a_failure(tmp_path):
@@ -124,9 +138,9 @@ def test_junit_xml_content(tmp_path):
     gr = run_gates(make_report(art), gates=gates)
     root = ET.fromstring(junit_xml(gr))
     suite = root.find("testsuite")
-    assert (root.tag, suite.get("tests"), suite.get("failures")) == ("testsuites", "3", "2")
+    assert (root.tag, suite.get("tests"), suite.get("failures")) == ("testsuites", "4", "2")  # + report complete
     cases = {c.get("name"): c for c in suite.findall("testcase")}
-    assert set(cases) == {"quality.perplexity ratio <= 1.05", "quality.top1_agreement >= 0.99",
+    assert set(cases) == {"report complete", "quality.perplexity ratio <= 1.05", "quality.top1_agreement >= 0.99",
                           "cost.usd_per_mtok_output <= 1"}
     assert cases["quality.perplexity ratio <= 1.05"].find("failure") is None
     f = cases["quality.top1_agreement >= 0.99"].find("failure")
@@ -143,7 +157,7 @@ def test_cli_gate_exit_codes_and_junit(tmp_path):
     junit = tmp_path / "out" / "gates.xml"
     res = runner.invoke(app, ["gate", str(rep), "--junit", str(junit)])
     assert res.exit_code == 0, res.output
-    assert "quality.perplexity ratio <= 1.05" in res.output and "pass" in res.output and "PASS 1/1" in res.output
+    assert "quality.perplexity ratio <= 1.05" in res.output and "pass" in res.output and "PASS 18/18" in res.output
     assert ET.parse(junit).getroot().find("testsuite").get("failures") == "0"
 
     bad = make_artifact(tmp_path / "bad", gates=[{"metric": "quality.perplexity", "op": "<=", "threshold": 1.01,
@@ -160,6 +174,6 @@ def test_recipe_rejects_metric_names_outside_the_report_families():
         GateSpec(metric="perplexity", op="<=", threshold=1.0)
     GateSpec(metric="speed.c4.tpot_ms_p90", op="<=", threshold=0.9, relative=True)
     data = {"name": "x", "model": {"path": "m"}, "stages": [{"method": "rtn", "scheme": "W8A8"}],
-            "gates": [{"metric": "speed.tpot", "op": "<=", "threshold": 1}]}
+            "gates": [{"metric": "latency.tpot", "op": "<=", "threshold": 1}]}
     with pytest.raises(RecipeError, match=r"gates\[0\]\.metric"):
         parse_recipe(data, "r.yaml")
