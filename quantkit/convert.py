@@ -83,7 +83,7 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     from quantkit.model.arch import arch_for
     from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
     from quantkit.model.integrity import verify_model_folder
-    from quantkit.model.sources import load_tokenizer, resolve_model_dir
+    from quantkit.model.sources import load_tokenizer, model_description, resolve_model_dir
     from quantkit.plan import make_plan
     from quantkit.quantize.kvcache import attention_path
     from quantkit.quantize.layers import Job, process_layers
@@ -145,7 +145,8 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
             shutil.copy2(partial / "convert.log", export_dir / "convert.log")
             facts = {"recipe": recipe, "recipe_sha256": fingerprint["recipe"],
                      "base_model": {"path": recipe.model.path, "resolved_dir": str(model_dir),
-                                    "fingerprint": fingerprint["model"]},
+                                    "fingerprint": fingerprint["model"],
+                                    "description": model_description(model_dir)},  # e.g. a dequantized GGUF
                      "calibration": calib.summary() if calib else None, "qat": qat.summary if qat else None,
                      "conversion": {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
                                     "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the built-in demo, on the CPU: fetch SmolLM2-135M -> convert (W8A8 RTN, W4A16 GPTQ)
-# -> eval against the bf16 baseline in vLLM -> gate -> publish to the embedded registry -> show it.
+# The main job on the built-in demo, on the CPU: fetch the baseline, SmolLM2-135M-Instruct dequantized from
+# Q4_1 GGUF (bf16) -> convert (W8A8 RTN, W4A16 GPTQ) -> eval against it in vLLM -> gate -> publish -> show it.
 # The baseline is measured once and reused by the second eval (quantkit.evaluate.baseline_cache).
 # Each artifact this machine can serve is evaluated, gated and offered to publish, which re-decides from the
 # report; the last lines say what was decided for each and why. Exit status: 0 when every step ran and every

@@ -326,7 +326,9 @@ def render_markdown(r: dict) -> str:
     stages = ", ".join(s["method"] + (f"/{s['scheme']}" if s.get("scheme") else "") for s in ((a.get("quantization") or {}).get("stages") or []))
     L = [f"# quantkit eval: {a.get('name')}", "",
          f"- candidate: `{a.get('path')}` ({stages or 'scheme n/a'}, format {(a.get('quantization') or {}).get('format', 'n/a')})",
-         f"- baseline: `{(r['baseline'] or {}).get('path') or (r['baseline'] or {}).get('url')}`" + _reused((r["baseline"] or {}).get("reused")),
+         f"- baseline: `{(r['baseline'] or {}).get('path') or (r['baseline'] or {}).get('url')}`"
+         + (f", {r['baseline']['description']}" if (r["baseline"] or {}).get("description") else "")  # what it is
+         + _reused((r["baseline"] or {}).get("reused")),
          f"- engine: {eng.get('name')} {eng.get('version') or ''}, dtype {eng.get('dtype')} ({eng.get('dtype_reason') or ''}), "
          f"max_model_len {eng.get('max_model_len')}, KV cache {eng.get('kv_cache_gib')} GiB, extra args {eng.get('engine_args') or {}}",
          f"- hardware: {hw.get('cpu')}, {hw.get('cpu_count')} cores, CPU flags {' '.join(hw.get('cpu_flags') or []) or 'n/a'}, "

