@@ -62,7 +62,7 @@ def test_recipe_gates_are_used_and_gate_json_written(tmp_path):
                                                 "relative": True}])
     rep = make_report(art)
     gr = run_gates(rep)
-    # completeness, the recipe's gate, then the W8A8 defaults on other metrics (16 rows, tasks.*.acc expanded)
+    # completeness, the recipe's gate, then the W8A8 defaults on other metrics (16 rows, tasks.*.* expanded)
     assert gr.source == "recipe (1) + defaults for W8A8 (16)" and gr.passed
     assert [r.metric for r in gr.results[:2]] == ["report.complete", "quality.perplexity"]
     assert [r.threshold for r in gr.results if r.metric == "quality.perplexity" and r.bound is None] == [1.05]

@@ -276,11 +276,17 @@ def _usable(section) -> bool:
 
 def quoted_differences(base: dict | None, cand: dict | None, limit: int = 5, chars: int = 160) -> dict:
     """For report.md: the worst safety flips (harmful prompts the baseline refused and the candidate
-    answers first, then the other flips) and the first tool-call disagreements, each with the prompt and
-    both replies cut to `chars` characters."""
-    out: dict = {"safety": [], "tools": []}
+    answers first, then the other flips), the first tool-call disagreements, each with the prompt and
+    both replies cut to `chars` characters, and the candidate's degenerate replies where the baseline's were fine."""
+    out: dict = {"safety": [], "tools": [], "generation": []}
     if not (base and cand):
         return out
+    cg = cand.get("generation")
+    if _usable(cg) and cg.get("new_degenerate"):
+        prompts = {it["id"]: it["prompt"] for it in load_items("generation")}
+        c = {r["id"]: r for r in cg["records"]}
+        out["generation"] = [{"id": i, "prompt": prompts.get(i, ""), "why": c[i]["degenerate"],
+                              "candidate": _cut(c[i]["text"], chars)} for i in cg["new_degenerate"][:limit]]
     cs, bs = cand.get("safety"), base.get("safety")
     if _usable(cs) and _usable(bs) and cs.get("flips"):
         prompts = {it["id"]: it["prompt"] for it in load_items("safety")}
