@@ -130,7 +130,7 @@ def _checks_summary(baseline: dict | None, candidate: dict) -> dict:
     from quantkit.evaluate.chat_checks import quoted_differences
 
     out: dict = {}
-    for name in ("tools", "safety"):
+    for name in ("tools", "safety", "generation"):
         sides = {role: ((side or {}).get("checks") or {}).get(name) for role, side in
                  (("baseline", baseline), ("candidate", candidate))}
         if not any(sides.values()):
@@ -284,6 +284,24 @@ def _checks_markdown(r: dict) -> list[str]:
     return L
 
 
+def _generation_markdown(r: dict) -> list[str]:
+    """The generation sanity check: degenerate greedy replies per side, and the candidate's new ones quoted."""
+    g = (r.get("checks") or {}).get("generation")
+    if not g:
+        return []
+    ran = "; ".join(f"{role}: " + (f"failed ({c['error']})" if "error" in c else f"{c.get('items')} prompts, "
+                                   f"{c.get('errors')} request errors") for role, c in g.items() if role != "quoted")
+    L = ["## Generation sanity", "", f"Everyday chat prompts (evals/data/qk_generation.jsonl), greedy, {ran}. A reply "
+         "is degenerate when it is empty, loops (its second half repeats a short phrase) or is not text "
+         "(quantkit/evaluate/checks.py). The gate asks for no more degenerate replies than the baseline's.", ""]
+    L += _table(r["metrics"], ["generation.degenerate_rate", "generation.degenerate_excess"])
+    if g.get("quoted"):
+        L += ["Degenerate in the candidate, fine in the baseline:", ""]
+        L += [f"- `{x['id']}` {x['prompt']!r} ({x['why']}): {x['candidate']!r}" for x in g["quoted"]]
+        L.append("")
+    return L
+
+
 def _kv_cache_lines(r: dict) -> list[str]:
     """What the KV cache of each side was: the export's FP8 scheme served or not, and why."""
     L = []
@@ -362,6 +380,7 @@ def render_markdown(r: dict) -> str:
                      f"{'—' if d is None else f'{d:+.3f}'} | {'—' if rec is None else f'{rec:.1%}'} |")
         L.append("")
     L += _checks_markdown(r)
+    L += _generation_markdown(r)
     L += ["## Memory", ""]
     L += _table(m, ["memory.engine_bytes", "memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens",
                     "memory.peak_rss_bytes",
