@@ -43,7 +43,7 @@ from quantkit.evaluate.tasks import TaskError, run_tasks
 from quantkit.hardware import hardware
 from quantkit.io import atomic_write_json, sha256_file
 from quantkit.locks import exclusive, lock_beside
-from quantkit.model.sources import load_tokenizer
+from quantkit.model.sources import load_tokenizer, model_description
 from quantkit.recipe import EvalSpec, parallelism
 
 
@@ -153,7 +153,8 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
                             "quantization": (manifest or {}).get("quantization"),
                             "size_bytes": (manifest or {}).get("size_bytes"),
                             "manifest_sha256": sha256_file(artifact / MANIFEST) if artifact else None},
-               "baseline": {"path": str(baseline) if baseline else None, "url": baseline_url, "reused": reused},
+               "baseline": {"path": str(baseline) if baseline else None, "url": baseline_url, "reused": reused,
+                            "description": model_description(baseline) if baseline else None},
                "suite": spec.model_dump(mode="json"), "hardware": hardware(), "wall_s": time.perf_counter() - t_start,
                "workload_items": [{"prompt_tokens": len(i.prompt_ids), "output_tokens": i.output_tokens} for i in items]}
     by_role = {s.role: s.data for s in sides}
