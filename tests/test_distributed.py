@@ -113,6 +113,9 @@ def _quantkit(*args: str, cwd: Path, env_extra: dict | None = None) -> subproces
                           text=True, timeout=900)
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def _tensors(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
 
@@ -125,10 +128,12 @@ def _layer_stats(folder: Path) -> dict:
 @pytest.mark.parametrize("stages", [AWQ_GPTQ, pytest.param(SQ_GPTQ, marks=pytest.mark.slow)],
                          ids=["awq+gptq", "smoothquant+gptq-w8a8"])
 def test_two_processes_write_the_bytes_one_process_writes(tmp_path, model, calib_text, stages):
+    """The guarantee docs/distributed.md states: at the same threads per process, byte-identical whatever the
+    world size (by construction). Here both run one thread per process."""
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(model, calib_text, stages))
-    one = _quantkit("convert", str(recipe), "-o", "one", "-q", cwd=tmp_path)
+    one = _quantkit("convert", str(recipe), "-o", "one", "-q", cwd=tmp_path, env_extra=ONE_THREAD)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _quantkit("convert", str(recipe), "-o", "two", "-q", "--nproc", "2", cwd=tmp_path)
+    two = _quantkit("convert", str(recipe), "-o", "two", "-q", "--nproc", "2", cwd=tmp_path, env_extra=ONE_THREAD)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.strip().splitlines() == [str(tmp_path / "two")]  # rank 0 alone reports
     assert _tensors(tmp_path / "one") == _tensors(tmp_path / "two")
@@ -160,10 +165,10 @@ def test_a_rank_killed_mid_layer_resumes_under_another_world_size(tmp_path, mode
     """torchrun's own launcher, a rank SIGKILLed mid-layer: the run fails, nothing is published, layer 0 is
     kept; the same command with 3 processes resumes at layer 1 and writes the one-process bytes."""
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(model, calib_text, AWQ_GPTQ))
-    ref = _quantkit("convert", str(recipe), "-o", "ref", "-q", cwd=tmp_path)
+    ref = _quantkit("convert", str(recipe), "-o", "ref", "-q", cwd=tmp_path, env_extra=ONE_THREAD)
     assert ref.returncode == 0, ref.stderr[-3000:]
     (tmp_path / "kill.py").write_text(KILL_RANK_1)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **ONE_THREAD}
     killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "kill.py", "convert", str(recipe), "-o", "out", "-q"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=900)
@@ -171,7 +176,7 @@ def test_a_rank_killed_mid_layer_resumes_under_another_world_size(tmp_path, mode
     assert not (tmp_path / "out").exists()
     state = json.loads((tmp_path / ".out.partial" / "work" / "state.json").read_text())
     assert state["next_layer"] == 1, state
-    again = _quantkit("convert", str(recipe), "-o", "out", "-q", "--nproc", "3", cwd=tmp_path)
+    again = _quantkit("convert", str(recipe), "-o", "out", "-q", "--nproc", "3", cwd=tmp_path, env_extra=ONE_THREAD)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _tensors(tmp_path / "out") == _tensors(tmp_path / "ref")
     conv = json.loads((tmp_path / "out" / "manifest.json").read_text())["conversion"]
