@@ -93,8 +93,9 @@ class CalibrationSpec(Strict):
     num_samples: int = Field(32, ge=1)
     seq_len: int = Field(512, ge=8)
     seed: int = 0
-    batch_size: int = Field(32, ge=1, description="samples per forward chunk in the layer pipeline: peak "
-                            "memory follows this, not num_samples; smaller lowers it, at some speed")
+    batch_size: int = Field(8, ge=1, description="samples per forward chunk in the layer pipeline: peak "
+                            "memory follows this, not num_samples; `--nproc N` needs at least N chunks "
+                            "(the default makes 4 of the shipped recipes' 32 samples)")
     moe: MoECalibrationSpec = MoECalibrationSpec()
 
 
