@@ -316,19 +316,26 @@ def test_failed_phases_are_named(phase, side, want):
     assert want in failed_phases({**good, **side}, "candidate", suite)
 
 
-def test_an_incomplete_eval_exits_non_zero_and_is_never_cached(tmp_path, monkeypatch):
-    """run_eval with a measurement whose candidate tasks fail: report.json says incomplete, run_eval raises
-    IncompleteEval (exit 3), and a baseline whose speed failed is not stored in the baseline cache."""
+@pytest.fixture(scope="module")
+def tiny_w8a8(tmp_path_factory):
     from conftest import make_tiny_model, tiny_recipe
 
     from quantkit import api
-    from quantkit.evaluate import baseline_cache as BC
-    from quantkit.evaluate import run as R
     from quantkit.recipe import parse_recipe
 
-    base = make_tiny_model(tmp_path / "base")
-    art = api.convert(parse_recipe(tiny_recipe(base, None, [{"method": "rtn", "scheme": "W8A8"}])), tmp_path / "art",
-                      quiet=True)
+    tmp = tmp_path_factory.mktemp("tiny-w8a8")
+    base = make_tiny_model(tmp / "base")
+    return api.convert(parse_recipe(tiny_recipe(base, None, [{"method": "rtn", "scheme": "W8A8"}])), tmp / "art",
+                       quiet=True)
+
+
+def test_an_incomplete_eval_exits_non_zero_and_is_never_cached(tmp_path, monkeypatch, tiny_w8a8):
+    """run_eval with a measurement whose candidate tasks fail: report.json says incomplete, run_eval raises
+    IncompleteEval (exit 3), and a baseline whose speed failed is not stored in the baseline cache."""
+    from quantkit.evaluate import baseline_cache as BC
+    from quantkit.evaluate import run as R
+
+    art = tiny_w8a8
     stored = []
     monkeypatch.setattr(BC, "lookup", lambda key: None)
     monkeypatch.setattr(BC, "store", lambda *a, **k: stored.append(a))
@@ -376,3 +383,32 @@ def test_export_coverage_finds_a_missing_module_and_a_nan_scale(tmp_path):
     cov = export_coverage(art, man)
     assert cov["missing"] == [module] and cov["coverage"] == pytest.approx(1 - 1 / cov["planned"])
     assert cov["nonfinite"] == [other]
+
+
+def test_a_failed_variant_makes_the_report_incomplete(tmp_path, monkeypatch, tiny_w8a8):
+    """A serving variant is measured speed-only with its engine settings; every one of its requests failing
+    is a failed phase like any other."""
+    import yaml
+
+    from quantkit.evaluate import baseline_cache as BC
+    from quantkit.evaluate import run as R
+    from quantkit.resources import shipped
+
+    suite = yaml.safe_load(shipped("evals", "suites", "smoke.yaml").read_text())
+    suite["variants"] = [{"name": "pc", "engine_args": {"enable_prefix_caching": True}}]
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(suite))
+    calls = []
+    monkeypatch.setattr(BC, "lookup", lambda key: None)
+    monkeypatch.setattr(BC, "store", lambda *a, **k: None)
+
+    def measure(side, spec, output, *a, extra_args=None, speed_only=False, **k):
+        calls.append((side.role, extra_args, speed_only))
+        failed = 2 if side.role.startswith("variant") else 0
+        side.data.update(quality={"perplexity": 9.0}, tasks={"tasks": {}},
+                         checks={n: {"records": []} for n in spec.checks},
+                         speed={"c1": {"requests": 2, "failed": failed}}, memory={})
+
+    monkeypatch.setattr(R, "_measure", measure)
+    with pytest.raises(R.IncompleteEval, match="variant-pc speed c1: every one of its 2 requests failed"):
+        R.run_eval(tiny_w8a8, suite=tmp_path / "s.yaml", output=tmp_path / "eval", progress=lambda m: None)
+    assert calls[-1] == ("variant-pc", {"enable_prefix_caching": True}, True)

@@ -132,20 +132,10 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
             base_checks = side.data.get("checks")
         atomic_write_json(output / "raw" / f"{side.role}.json", side.data)
 
-    variants = []
     cand = sides[-1]
-    for v in spec.variants:
-        if cand.url:
-            progress(f"variant {v.name}: skipped (an external server's settings cannot be changed from here)")
-            continue
-        vs = _Side(f"variant-{v.name}", cand.model_dir, None)
-        progress(f"[variant {v.name}] engine args {v.engine_args}")
-        _measure(vs, spec, output, tokenizer, tok_dir, items, warmup, None, served_model, progress,
-                 extra_args=v.engine_args, speed_only=True)
-        vs.data["variant"] = {"name": v.name, "engine_args": v.engine_args}
-        atomic_write_json(output / "raw" / f"{vs.role}.json", vs.data)
-        variants.append(vs.data)
-
+    variants = _variants(cand, spec, output, progress, lambda vs, args: _measure(
+        vs, spec, output, tokenizer, tok_dir, items, warmup, None, served_model, progress, extra_args=args,
+        speed_only=True))
     if artifact is not None:  # the export itself: is everything the plan meant to quantize quantized, and finite?
         cand.data["artifact"] = export_coverage(artifact, manifest)
         atomic_write_json(output / "raw" / "candidate.json", cand.data)
@@ -163,6 +153,22 @@ def _run_eval_locked(artifact, baseline, output: Path, manifest, spec: EvalSpec,
     progress(f"report written to {output} ({time.perf_counter() - t_start:.0f} s)")
     refuse_incomplete(report, output)
     return output
+
+
+def _variants(cand: _Side, spec: EvalSpec, output: Path, progress, measure: Callable[[_Side, dict], None]) -> list[dict]:
+    """Each serving variant of the suite: the candidate under other engine settings, speed and memory only."""
+    variants = []
+    for v in spec.variants:
+        if cand.url:
+            progress(f"variant {v.name}: skipped (an external server's settings cannot be changed from here)")
+            continue
+        vs = _Side(f"variant-{v.name}", cand.model_dir, None)
+        progress(f"[variant {v.name}] engine args {v.engine_args}")
+        measure(vs, v.engine_args)
+        vs.data["variant"] = {"name": v.name, "engine_args": v.engine_args}
+        atomic_write_json(output / "raw" / f"{vs.role}.json", vs.data)
+        variants.append(vs.data)
+    return variants
 
 
 class IncompleteEval(QuantkitError):
