@@ -209,3 +209,25 @@ def test_more_processes_than_calibration_chunks_is_refused_before_any_starts(tmp
     assert p.returncode == 2, p.stderr
     assert "make 3 chunk(s), fewer than the 4 ranks; set calibration.batch_size to at most 2" in p.stderr
     assert "torch.distributed" not in p.stderr and not any(tmp_path.glob(".*.partial"))
+
+
+def test_every_shipped_calibrated_recipe_splits_across_two_processes_as_typed():
+    """`quantkit convert <recipe> --nproc 2` with no --set: each shipped recipe with calibration data makes at
+    least two chunks (the default batch_size is 8), so the CLI's layout check (the same call) passes."""
+    import yaml
+
+    from quantkit.distributed import ChunkLayout, Ranks
+    from quantkit.recipe import parse_recipe
+    from quantkit.resources import shipped
+
+    checked = []
+    for f in sorted(shipped("recipes").glob("*.yaml")):
+        r = parse_recipe(yaml.safe_load(f.read_text()), str(f))
+        if r.calibration is None:
+            continue
+        c = r.calibration
+        layout = ChunkLayout.of(c.num_samples, c.batch_size, c.seq_len, Ranks(world=2))
+        layout.check(r)
+        assert layout.n >= 2 and layout.n == -(-c.num_samples // c.batch_size), f.name
+        checked.append(f.name)
+    assert len(checked) >= 9  # every shipped recipe but the two RTN ones and FP8 calibrates
