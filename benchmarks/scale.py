@@ -1,16 +1,18 @@
 """Real model shapes on this machine: random-weight checkpoints with the exact configs of Llama-3.1-8B,
-Qwen2.5-7B and a K-layer slice of Llama-3.1-70B, converted with GPTQ W4A16 g128 (static act-order) and
-W8A8 RTN. Prints one JSON document.
+Qwen2.5-7B and a K-layer slice of Llama-3.1-70B, converted with GPTQ W4A16 g128 (static act-order), W8A8
+SmoothQuant + GPTQ or W8A8 RTN. Prints one JSON document (and writes it to --json-out when given).
 
     python benchmarks/scale.py                                  # the default plan below (about 40 min on 2 cores)
     python benchmarks/scale.py --runs llama8b-2:gptq --samples 16 --seq-len 512
     python benchmarks/scale.py --runs llama8b-32:rtn            # the whole 8B depth: memory flat in depth?
-    bash benchmarks/device_check.sh                             # the 8B shape on one GPU (see that script)
+    bash benchmarks/device_check.sh                             # the GPU check (see that script)
 
 A run is `<shape>-<layers>:<method>`. Checkpoints are written shard by shard through quantkit's streaming
 shard writer, one tensor generated at a time (never the model in memory), into --work (default: a
-temporary folder; they are reused between runs of one invocation). The tokenizer is the demo model's
-(its ids all fall below every config's vocabulary size).
+temporary folder; they are reused between runs and between invocations with the same --work). Each carries
+its own tokenizer, built in code (quantkit.model.tokenizer: one token per byte, ids below 259, under every
+shape's vocabulary), so nothing here needs the demo model. Calibration reads all five of quantkit's
+builtin corpora: one token per byte gives about 400,000 tokens, enough for 128 x 2048.
 
 Per run: per-layer seconds (from convert.log), peak RSS (the conversion's own VmHWM, from the manifest),
 the disk the conversion said it needs and the artifact's size, and the full-depth time extrapolated from
@@ -45,30 +47,43 @@ SHAPES = {  # the published configs (config.json of each model), minus what a ra
     "llama70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                      num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
                      rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+    # not a published model: the Llama layout at toy size, for `device_check.sh --simulate` and quick tests
+    "toy": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
 }
 METHODS = {
     "gptq": [{"method": "gptq", "scheme": "W4A16", "group_size": 128, "actorder": "static"}],
+    "sq-gptq": [{"method": "smoothquant", "alpha": 0.5},
+                {"method": "gptq", "scheme": "W8A8", "actorder": "static"}],
     "rtn": [{"method": "rtn", "scheme": "W8A8"}],
 }
+CALIBRATED = ("gptq", "smoothquant", "awq")  # stage methods that read calibration data
+CORPORA = ("prose", "chat", "code", "json", "numbers")
 DEFAULT_RUNS = "llama8b-2:gptq,qwen7b-2:gptq,llama8b-2:rtn,llama8b-32:rtn,llama70b-1:gptq"
 
 
 def write_checkpoint(folder: Path, shape: str, layers: int, seed: int = 0) -> Path:
-    """A random bf16 checkpoint of `shape` cut to `layers` decoder layers, one tensor in memory at a time."""
+    """A random bf16 checkpoint of `shape` cut to `layers` decoder layers, one tensor in memory at a time, with
+    a byte-level tokenizer built here (never the demo model's). An existing one is reused as it is."""
+    if (folder / "config.json").is_file():
+        return folder
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.export.shards import TensorRef, write_shards
-    from quantkit.model.sources import demo_dir
+    from quantkit.model.tokenizer import build_tokenizer
 
-    if (folder / "config.json").is_file():
-        return folder
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    tok = build_tokenizer(tmp)  # tokenizer.json, tokenizer_config.json, chat template
     cfg = dict(SHAPES[shape])
-    cfg["num_hidden_layers"] = layers
+    if len(tok) > cfg["vocab_size"]:
+        raise ValueError(f"{shape}: vocabulary {cfg['vocab_size']} is smaller than the tokenizer's {len(tok)} ids")
+    cfg.update(num_hidden_layers=layers, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
     config = AutoConfig.for_model(cfg.pop("model_type"), torch_dtype="bfloat16", **cfg)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -85,19 +100,22 @@ def write_checkpoint(folder: Path, shape: str, layers: int, seed: int = 0) -> Pa
     refs = [make(n, tuple(p.shape)) for n, p in skeleton.named_parameters()]
     write_shards(tmp, refs, 4 << 30)
     config.save_pretrained(tmp)
-    demo = demo_dir("smollm2-135m")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (demo / f).is_file():
-            shutil.copy2(demo / f, tmp / f)
     os.replace(tmp, folder)
     return folder
 
 
-def import_baseline_mb() -> float:
+def import_baseline_mb(cache: Path | None = None) -> float:
+    """The peak RSS of a process that only imports what a conversion imports; measured once per `cache` file
+    (one per --work folder: the steps of one device check share it)."""
+    if cache is not None and cache.is_file():
+        return float(cache.read_text())
     code = ("import resource, torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors;"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-    return float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip())
+    mb = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip())
+    if cache is not None:
+        cache.write_text(str(mb))
+    return mb
 
 
 def convert(model: Path, out: Path, method: str, samples: int, seq_len: int, device: str) -> dict:
@@ -105,15 +123,17 @@ def convert(model: Path, out: Path, method: str, samples: int, seq_len: int, dev
 
     recipe = {"name": out.name, "model": {"path": str(model), "dtype": "bfloat16"}, "stages": METHODS[method],
               "export": {"max_shard_size_mb": 4096}}
-    if method == "gptq":
-        recipe["calibration"] = {"sources": [{"type": "builtin", "name": "prose"}, {"type": "builtin", "name": "code"}],
+    if any(st["method"] in CALIBRATED for st in METHODS[method]):
+        recipe["calibration"] = {"sources": [{"type": "builtin", "name": n} for n in CORPORA],
                                  "num_samples": samples, "seq_len": seq_len, "batch_size": 8}
     rfile = out.with_suffix(".yaml")
     rfile.write_text(yaml.safe_dump(recipe))
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
+    # pre-flight: the format rules and the capability check only (the engine check starts vLLM, which is no
+    # part of a conversion's cost and is absent on the GPU machine)
     subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(rfile), "-o", str(out), "-q", "--restart",
-                    "--device", device], cwd=REPO, check=True)
+                    "--device", device, "--preflight", "capability"], cwd=REPO, check=True)
     wall = time.perf_counter() - t0
     man = json.loads((out / "manifest.json").read_text())
     log = (out / "convert.log").read_text()
@@ -133,8 +153,9 @@ def bound_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: f
     kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
     layer_params = h * (h + 2 * kv) + h * h + 3 * h * i
     size = 2 if compute == "bfloat16" else 4
-    hessian = max(h, i) ** 2 * 4 if method == "gptq" else 0
-    acts = 2 * samples * seq_len * h * size if method == "gptq" else 0
+    calibrated = any(st["method"] in CALIBRATED for st in METHODS[method])
+    hessian = max(h, i) ** 2 * 4 if any(st["method"] == "gptq" for st in METHODS[method]) else 0
+    acts = 2 * samples * seq_len * h * size if calibrated else 0
     return baseline_mb + (layer_params * size + hessian + acts) / 1e6
 
 
@@ -146,12 +167,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="where checkpoints and outputs go (kept)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (quantkit convert --device)")
+    ap.add_argument("--json-out", type=Path, default=None, help="also write the JSON document to this file")
     args = ap.parse_args()
     from quantkit.hardware import hardware
 
     work = args.work or Path(tempfile.mkdtemp(prefix="quantkit-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    base = import_baseline_mb()
+    base = import_baseline_mb(work / "import_baseline_mb.txt")
     rows = []
     for run in args.runs.split(","):
         target, method = run.split(":")
@@ -171,8 +193,11 @@ def main() -> None:
         shutil.rmtree(work / f"out-{shape}-{layers}-{method}", ignore_errors=True)
     if not args.keep and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"hardware": hardware(), "import_baseline_mb": round(base), "samples": args.samples,
-                      "seq_len": args.seq_len, "runs": rows}, indent=2))
+    doc = {"hardware": hardware(), "import_baseline_mb": round(base), "samples": args.samples,
+           "seq_len": args.seq_len, "runs": rows}
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=2))
+    print(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

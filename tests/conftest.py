@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.model.tokenizer import CHAT_TEMPLATE, build_tokenizer
+
 REPO = Path(__file__).resolve().parent.parent
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 SAMPLE_TEXT = """Quantization maps each weight to one of a few levels. A scale per group keeps the error small.
 The calibration set is packed into windows of equal length. Every window is a sequence of token ids.
@@ -46,20 +46,8 @@ def _isolated_home(tmp_path_factory, monkeypatch):
 
 
 def make_tokenizer(folder: Path, vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    return fast
+    """The tiny models' tokenizer: byte-level BPE with merges learned on SAMPLE_TEXT (quantkit's builder)."""
+    return build_tokenizer(folder, [SAMPLE_TEXT] * 4, vocab_size, CHAT_TEMPLATE)
 
 
 TINY_CONFIGS = {
