@@ -147,7 +147,9 @@ def test_two_processes_write_the_bytes_one_process_writes(tmp_path, model, calib
 def test_other_threads_per_process_give_equal_quality_not_equal_bits(tmp_path, model, calib_text):
     """1 process at two threads against 2 processes at one: the kernels may round differently (they do on
     AVX2 and on AVX-512 without AMX), so the guarantee is quality: the same modules, each GPTQ loss within
-    1e-3 of its own value and each output SQNR within 0.05 dB."""
+    10% of its own value and each output SQNR within 0.5 dB. (Measured: the tiny model differs in the 8th
+    digit; the 30-layer demo model, where differences compound through the layers, by up to 4.4% per module
+    loss with held-out perplexity 38.277 vs 38.310, benchmarks/distributed_quality.py.)"""
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(model, calib_text, AWQ_GPTQ))
     one = _quantkit("convert", str(recipe), "-o", "one", "-q", cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "2"})
     assert one.returncode == 0, one.stderr[-3000:]
@@ -158,9 +160,9 @@ def test_other_threads_per_process_give_equal_quality_not_equal_bits(tmp_path, m
     assert sorted(a) == sorted(b) and len(a) > 0
     for m in a:
         if "gptq_loss" in a[m]:
-            assert b[m]["gptq_loss"] == pytest.approx(a[m]["gptq_loss"], rel=1e-3), m
+            assert b[m]["gptq_loss"] == pytest.approx(a[m]["gptq_loss"], rel=0.1), m
         if "output_sqnr_db" in a[m]:
-            assert abs(b[m]["output_sqnr_db"] - a[m]["output_sqnr_db"]) <= 0.05, m
+            assert abs(b[m]["output_sqnr_db"] - a[m]["output_sqnr_db"]) <= 0.5, m
 
 
 KILL_RANK_1 = textwrap.dedent("""
