@@ -3,9 +3,7 @@ recipe schema and the gates (it imports nothing of quantkit, so none of them rea
 
 METRIC_PATTERNS is an explicit registry of the families `metrics.metrics_table` writes
 (tests/test_eval_metrics.py checks that every name it produces fits one). A name that fits a family but is
-absent from a report still fails at gate time, saying which names exist. FAMILIES maps a name's first part to
-the gate family it belongs to: a recipe that gates one metric of a family replaces the scheme's defaults for
-that family (quantkit/gates.py).
+absent from a report still fails at gate time, saying which names exist.
 """
 
 from __future__ import annotations
@@ -26,16 +24,9 @@ METRIC_PATTERNS = (
     r"artifact\.[a-z0-9_]+",                        # artifact.coverage, artifact.nonfinite_tensors
 )
 
-# first part of a metric name -> gate family
-FAMILIES = {"quality": "quality", "tasks": "tasks", "speed": "speed", "memory": "memory", "cost": "cost",
-            "tools": "checks", "safety": "checks", "generation": "generation", "artifact": "artifact"}
-
 
 def is_metric_name(name: str) -> bool:
     """Does `name` fit a family the report writes? A '*' (a gate over every matching metric) stands for a part."""
     probe = name.replace("*", "x")
     return any(re.fullmatch(p, probe) for p in METRIC_PATTERNS)
 
-
-def family(name: str) -> str:
-    return FAMILIES.get(name.split(".", 1)[0], name.split(".", 1)[0])
