@@ -149,11 +149,11 @@ def _is_proportion(value, successes, items) -> bool:
 
 def check_intervals(side: dict | None) -> dict[str, list[float]]:
     """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/chat_checks.py)."""
-    from quantkit.evaluate.metrics import CHECK_METRICS, _get
+    from quantkit.evaluate.names import CHECK_METRICS, dig
 
     out: dict[str, list[float]] = {}
     for name in CHECK_METRICS:
-        r = _get(side, "checks", *name.split("."))
+        r = dig(side, "checks", *name.split("."))
         if isinstance(r, dict) and r.get("items") and isinstance(r.get("ci95"), list):
             out[name] = list(r["ci95"])
     return out

@@ -19,33 +19,11 @@ and, with a price per hour:
 
 from __future__ import annotations
 
-from typing import Any
-
+from quantkit.evaluate.names import CHECK_METRICS, dig
 from quantkit.evaluate.reference import engine_gap, engine_vs_reference
 
 LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-# the chat checks' figures (quantkit/evaluate/chat_checks.py): metric -> (unit, higher_is_better). A metric
-# "tools.valid_rate" is the rate dict {"value", "successes", "items", "ci95"} at side["checks"]["tools"]["valid_rate"].
-CHECK_METRICS = {
-    "tools.valid_rate": ("fraction", True),
-    "tools.baseline_agreement": ("fraction", True),
-    "tools.name_accuracy": ("fraction", True),
-    "tools.exact_accuracy": ("fraction", True),
-    "safety.refusal_rate_harmful": ("fraction", True),
-    "safety.refusal_rate_benign": ("fraction", False),
-    "safety.flip_rate": ("fraction", False),
-    "generation.degenerate_rate": ("fraction", False),
-    "generation.degenerate_excess": ("fraction", False),
-}
 PCTS = (50, 90, 99)
-
-
-def _get(d: dict | None, *path, default=None) -> Any:
-    for p in path:
-        if not isinstance(d, dict) or p not in d:
-            return default
-        d = d[p]
-    return d
 
 
 def fmt_value(x) -> str:
@@ -84,7 +62,7 @@ def task_success_rate(tasks: dict | None) -> float | None:
 def success_rate(side: dict | None) -> tuple[float | None, int, int]:
     """(rate, successes, items) pooled over the lm-eval items and the tool-call requests (exact calls)."""
     ok, n = _task_counts((side or {}).get("tasks"))
-    tools = _get(side, "checks", "tools", "exact_accuracy")
+    tools = dig(side, "checks", "tools", "exact_accuracy")
     if isinstance(tools, dict) and tools.get("items"):
         ok, n = ok + int(tools["successes"]), n + int(tools["items"])
     return (ok / n if n else None), ok, n
@@ -150,15 +128,15 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
     out: dict[str, tuple[float | None, str, bool]] = {}
     q = side.get("quality") or {}
     out["quality.perplexity"] = (q.get("perplexity"), "ppl", False)
-    out["quality.kl_mean"] = (_get(q, "divergence", "kl_mean"), "nats", False)
-    out["quality.kl_p99"] = (_get(q, "divergence", "kl_p99"), "nats", False)
-    out["quality.top1_agreement"] = (_get(q, "divergence", "top1_agreement"), "fraction", True)
+    out["quality.kl_mean"] = (dig(q, "divergence", "kl_mean"), "nats", False)
+    out["quality.kl_p99"] = (dig(q, "divergence", "kl_p99"), "nats", False)
+    out["quality.top1_agreement"] = (dig(q, "divergence", "top1_agreement"), "fraction", True)
     ref = side.get("reference")
     if isinstance(ref, dict):  # the engine-free reference (quantkit/evaluate/reference.py)
         out["quality.reference_perplexity"] = (ref.get("perplexity"), "ppl", False)
         out["quality.engine_vs_reference"] = (engine_vs_reference(q.get("perplexity"), ref.get("perplexity")),
                                               "fraction", False)
-    rows = _get(side, "tasks", "tasks") or {}
+    rows = dig(side, "tasks", "tasks") or {}
     for task, r in rows.items():
         out[f"tasks.{task}.{r['metric']}"] = (r["value"], "fraction", True)
         for extra, val in (r.get("extra") or {}).items():
@@ -177,7 +155,7 @@ def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tu
         out[f"speed.{lvl}.kv_cache_usage_max"] = (em.get("kv_cache_usage_perc_max"), "fraction", False)
         out[f"speed.{lvl}.preemptions"] = (em.get("num_preemptions"), "count", False)
     for name, (unit, hib) in CHECK_METRICS.items():
-        r = _get(side, "checks", *name.split("."))
+        r = dig(side, "checks", *name.split("."))
         if isinstance(r, dict) and "value" in r:
             out[name] = (r["value"], unit, hib)
     out.update(_serving_values(side))

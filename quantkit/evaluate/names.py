@@ -9,6 +9,7 @@ absent from a report still fails at gate time, saying which names exist.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 METRIC_PATTERNS = (
     r"quality\.[a-z0-9_]+",                        # quality.perplexity, quality.kl_mean, quality.top1_agreement
@@ -30,3 +31,28 @@ def is_metric_name(name: str) -> bool:
     probe = name.replace("*", "x")
     return any(re.fullmatch(p, probe) for p in METRIC_PATTERNS)
 
+
+
+# the chat checks' figures (quantkit/evaluate/chat_checks.py): metric -> (unit, higher_is_better). A metric
+# "tools.valid_rate" is the rate dict {"value", "successes", "items", "ci95"} at side["checks"]["tools"]["valid_rate"].
+CHECK_METRICS = {
+    "tools.valid_rate": ("fraction", True),
+    "tools.baseline_agreement": ("fraction", True),
+    "tools.name_accuracy": ("fraction", True),
+    "tools.exact_accuracy": ("fraction", True),
+    "safety.refusal_rate_harmful": ("fraction", True),
+    "safety.refusal_rate_benign": ("fraction", False),
+    "safety.flip_rate": ("fraction", False),
+    "generation.degenerate_rate": ("fraction", False),
+    "generation.degenerate_excess": ("fraction", False),
+}
+
+
+def dig(d: dict | None, *path, default=None) -> Any:
+    """The value at `path` in nested dicts (a side's figures: dig(side, "checks", "tools", "valid_rate")), else
+    `default`."""
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
