@@ -370,10 +370,11 @@ def _row_key(row: dict) -> tuple:
             row.get("confidence"), row.get("bound"))
 
 
-def redecide(artifact: Path, report_path: Path) -> GateReport:
+def redecide(artifact: Path, report_path: Path) -> dict:
     """For publish: the verdict recomputed from report.json with the artifact's own effective gates. Refuses
     (GateError) an artifact that changed since its eval, a gate.json that is missing, stale, lacks any of
-    those gates or disagrees with the recomputed verdict, and a verdict that fails."""
+    those gates or disagrees with the recomputed verdict, and a verdict that fails. Returns the gate.json
+    record it checked (what the version stores beside the report)."""
     from quantkit.export.manifest import MANIFEST
 
     report = read_report(report_path)
@@ -403,7 +404,7 @@ def redecide(artifact: Path, report_path: Path) -> GateReport:
         raise GateError(f"{gate_path(report_path)} disagrees with re-checking the same report "
                         f"({', '.join(differ[:5]) or 'its verdict'}): it is not what `quantkit gate` wrote; "
                         f"re-run `quantkit gate {report_path}`")
-    return gr
+    return recorded
 
 
 def check_gate_file(report_path: Path) -> dict:

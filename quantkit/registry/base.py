@@ -27,7 +27,7 @@ from pathlib import Path
 from quantkit.export.card import render_card
 from quantkit.export.manifest import MANIFEST, read_manifest, verify
 from quantkit.evaluate.report import default_report_path
-from quantkit.gates import GateError, check_gate_file, gate_path, read_report, redecide
+from quantkit.gates import GateError, gate_path, read_report, redecide
 from quantkit.io import atomic_write_text, sha256_file
 
 REPORT_IN_VERSION = "quantkit/report.json"
@@ -208,8 +208,7 @@ def prepare_bundle(artifact: str | Path, name: str, staging: Path, report: str |
         if rep_art.get("name") and rep_art["name"] != man.get("name"):
             raise GateError(f"{report_path} is the report of {rep_art['name']!r}, not of {man.get('name')!r}; "
                             "pass the right --report")
-        redecide(art, report_path)  # the verdict recomputed with the artifact's own gates; gate.json is a record
-        gate = check_gate_file(report_path)
+        gate = redecide(art, report_path)  # the verdict recomputed with the artifact's own gates; gate.json is a record
     except GateError as exc:
         raise RegistryError(f"refusing to publish {art}: {exc}") from None
     files = [(art / fname, fname) for fname in sorted(man.get("files", {}))] + [(art / MANIFEST, MANIFEST)]
