@@ -56,9 +56,9 @@ def store_uri() -> str:
 
 
 def experiment_name(model: str) -> str:
-    """`quantkit/<model>`: the model's folder name (a local path) or its hub id."""
-    p = Path(str(model))
-    return f"quantkit/{p.name if p.is_absolute() or p.exists() else str(model)}"
+    """`quantkit/<name>`: the last component of the model's path or id, so a recipe's `smollm2-135m`, the resolved
+    folder an eval reports and a hub id's cache all land in one experiment."""
+    return f"quantkit/{Path(str(model).rstrip('/')).name or 'unknown'}"
 
 
 @dataclass
@@ -342,3 +342,12 @@ def _one_line(exc: BaseException) -> str:
 def _engine_version(rep: dict) -> str | None:
     info = ((rep.get("engine") or {}).get("candidate") or {}).get("info") or {}
     return info.get("version") or info.get("engine")
+
+
+def subject_of_report(report_path: Path) -> tuple[str, str]:
+    """(base model, artifact name) of an eval report, for the gate run's experiment and name."""
+    try:
+        rep = json.loads(Path(report_path).read_text())
+    except (OSError, ValueError):
+        return "unknown", Path(report_path).parent.name  # the gate itself reports the unreadable file
+    return str((rep.get("baseline") or {}).get("path") or "unknown"), str((rep.get("artifact") or {}).get("name") or "?")

@@ -160,3 +160,23 @@ def test_layer_metrics_are_stepped_by_layer():
 def test_flatten_names_nested_recipe_fields():
     flat = tracking.flatten({"model": {"path": "m", "dtype": "bf16"}, "stages": [{"method": "gptq"}], "gates": []})
     assert flat == {"model.path": "m", "model.dtype": "bf16", "stages.0.method": "gptq", "gates": []}
+
+
+def test_the_gate_command_logs_a_gate_run_linked_to_its_eval(store, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    art = make_artifact(tmp_path / "art")
+    report = make_report(art)
+    with tracked(_ctx(), "eval", "tiny", "eval") as ev:
+        tracking.log_eval(ev, report)
+    res = CliRunner().invoke(app, ["gate", str(art)])
+    assert res.exit_code in (0, 1), res.output
+    exp = store.get_experiment_by_name("quantkit/unknown")  # make_report writes no baseline path
+    (run,) = store.search_runs([exp.experiment_id])
+    assert run.data.tags["quantkit.kind"] == "gate" and run.info.status == "FINISHED"
+    assert run.data.tags["quantkit.eval_run"] == ev.run_id
+    assert run.data.metrics["gate.passed"] == (1.0 if res.exit_code == 0 else 0.0)
+    res = CliRunner().invoke(app, ["--no-track", "gate", str(art)])
+    assert len(store.search_runs([exp.experiment_id])) == 1  # --no-track: no second run
