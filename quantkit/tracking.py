@@ -27,7 +27,7 @@ from pathlib import Path
 from quantkit.errors import EXIT_ENVIRONMENT, QuantkitError
 from quantkit.io import sha256_file
 
-KINDS = ("convert", "eval", "gate", "tune", "tune-cell", "sensitivity")
+KINDS = ("convert", "eval", "gate", "tune", "tune-cell", "sensitivity", "compare")
 TAG = "quantkit."
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
