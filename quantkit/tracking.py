@@ -154,8 +154,9 @@ def _experiment(client, name: str) -> str:
         return exp.experiment_id
     from mlflow.exceptions import MlflowException
 
-    try:
-        return client.create_experiment(name, artifact_location=_artifact_root(client))
+    try:  # a model-development experiment: MLflow's UI then shows runs, metrics and comparisons, not GenAI pages
+        return client.create_experiment(name, artifact_location=_artifact_root(client),
+                                        tags={"mlflow.experimentKind": "custom_model_development"})
     except MlflowException:  # created concurrently
         return client.get_experiment_by_name(name).experiment_id
 
@@ -191,6 +192,14 @@ def log_convert(run: Run, artifact: Path) -> None:
         run.metrics(values, step=step)
     for name in ("manifest.json", "convert.log"):
         run.artifact(artifact / name)
+    sq = [v["output_sqnr_db"] for v in (man.get("layers") or {}).values() if _number(v.get("output_sqnr_db"))]
+    q = man.get("quantization") or {}
+    run.tags({"mlflow.note.content": (
+        f"{' + '.join(str(st.get('method')) for st in q.get('stages') or [])} "
+        f"{' + '.join(str(st.get('scheme')) for st in q.get('stages') or [] if st.get('scheme'))} of "
+        f"{(man.get('base_model') or {}).get('path')}: {q.get('modules_quantized')} modules, "
+        f"{(man.get('size_bytes') or 0) / 1e6:.1f} MB, {conv.get('wall_time_s')} s"
+        + (f", output SQNR mean {sum(sq) / len(sq):.1f} dB (min {min(sq):.1f})" if sq else ""))})
 
 
 def layer_metrics(layers: dict[str, dict]) -> dict[int, dict[str, float]]:
@@ -218,8 +227,31 @@ def log_eval(run: Run, report_path: Path) -> None:
               TAG + "complete": rep.get("complete"), TAG + "suite": suite.get("name"), TAG + "dtype": suite.get("dtype"),
               TAG + "engine": _engine_version(rep), TAG + "hardware": f"{hw.get('cpu')} ({hw.get('cpu_kind')})"
               + (f", {hw['gpu']}" if hw.get("gpu") else "")})
-    for name in ["report.json", "report.md", *(rep.get("plots") or [])]:
-        run.artifact(report_path.parent / name, str(Path("eval", name).parent))
+    for name in ["report.md", "report.json", *(rep.get("plots") or [])]:
+        folder = str(Path(name).parent)
+        run.artifact(report_path.parent / name, None if folder == "." else folder)
+    run.tags({"mlflow.note.content": eval_note(rep)})
+
+
+def eval_note(rep: dict) -> str:
+    """The run's description in MLflow's UI: what a person choosing what to serve reads first."""
+    ms = rep.get("metrics") or {}
+
+    def ratio(name: str) -> str:
+        m = ms.get(name) or {}
+        b, c = m.get("baseline"), m.get("candidate")
+        return f"{c / b:.3g}" if _number(b) and _number(c) and b else "-"
+
+    def value(v) -> str:
+        return f"{v:.3g}" if _number(v) else "-"
+
+    state = "complete" if rep.get("complete") else f"INCOMPLETE ({', '.join(rep.get('incomplete') or [])})"
+    base = (rep.get("baseline") or {}).get("description") or "the baseline"
+    return (f"{(rep.get('artifact') or {}).get('name')} against {base} ({state}): perplexity ratio "
+            f"{ratio('quality.perplexity')}, top-1 {value((ms.get('quality.top1_agreement') or {}).get('candidate'))}, "
+            f"task recovery {value((rep.get('recovery') or {}).get('tasks.mean_acc'))}, TPOT ratio "
+            f"{ratio('speed.decode_tpot_ms_p50')}, peak throughput ratio {ratio('speed.peak_output_tok_s')}, "
+            f"cost ratio {ratio('cost.machine_s_per_k_successful_tasks')}")
 
 
 def report_metrics(rep: dict) -> dict[str, float]:
@@ -242,7 +274,9 @@ def log_gate(run: Run, record: dict, gate_file: Path | None = None) -> None:
         values[f"{key}.value"] = row.get("value")
         values[f"{key}.passed"] = 1.0 if row.get("passed") else 0.0
     run.metrics(values)
-    run.tags({TAG + "verdict": record.get("summary"), TAG + "report_sha256": record.get("report_sha256"),
+    failed = [row.get("name") or row.get("metric") for row in record.get("gates") or [] if not row.get("passed")]
+    run.tags({"mlflow.note.content": f"{record.get('summary')}" + (f"; failed: {', '.join(failed)}" if failed else ""),
+              TAG + "verdict": record.get("summary"), TAG + "report_sha256": record.get("report_sha256"),
               TAG + "eval_run": find_run("eval", "report_sha256", record.get("report_sha256")),
               TAG + "gate_sha256": sha256_file(gate_file) if gate_file and gate_file.is_file() else None})
     if gate_file is not None:
