@@ -205,56 +205,16 @@ def expand(spec: StudySpec, path: Path) -> Study:
     base_path = _recipe_file(spec.base, path, "base")
     base_raw = _raw(base_path)
     base = parse_recipe(base_raw, str(base_path)).with_absolute_paths(base_path.parent)
-    # every cell is measured on the same work: the base eval with the study's fields, load and price
-    ev = {**base.eval.model_dump(mode="json"), **spec.eval}
-    work = dict(ev.get("workload") or {})
-    work.update(concurrency=spec.load.levels, request_rates=list(spec.load.rates))
-    ev.update(workload=work, price_per_hour=spec.price_per_hour, variants=[])
-    try:
-        evspec = EvalSpec.model_validate(ev)
-    except ValidationError as exc:
-        raise StudyError(format_errors(exc, f"{path} (eval)")) from None
-
-    other = {}
-    for ai, axis in enumerate(spec.axes):
-        for vi, v in enumerate(axis.values):
-            if v.recipe:
-                other[v.recipe] = _raw(_recipe_file(v.recipe, path, f"axes[{ai}].values[{vi}].recipe"))
-
-    options = [[None] + list(a.values) for a in spec.axes]
-    if spec.mode == "grid":
-        combos = list(itertools.product(*options))
-    else:
-        combos = [tuple(None for _ in spec.axes)]
-        for ai, axis in enumerate(spec.axes):
-            for v in axis.values:
-                combos.append(tuple(v if i == ai else None for i in range(len(spec.axes))))
-    if len(combos) > spec.max_cells:
-        raise StudyError(f"{path}: mode {spec.mode} expands to {len(combos)} cells, more than max_cells "
-                         f"({spec.max_cells}); use one_at_a_time, fewer values, or raise max_cells")
-
+    evspec = _study_eval(spec, base, path)
+    other = {v.recipe: _raw(_recipe_file(v.recipe, path, f"axes[{ai}].values[{vi}].recipe"))
+             for ai, axis in enumerate(spec.axes) for vi, v in enumerate(axis.values) if v.recipe}
     cells, invalid, seen_quant = [], {}, {}
-    for combo in combos:
+    for combo in _combos(spec, path):
         chosen = [(a.name, v) for a, v in zip(spec.axes, combo) if v is not None]
         cid = ",".join(f"{a}={v.label}" for a, v in chosen) or "base"
         quant = [(a, v) for a, v in chosen if not v.serving]
         qid = ",".join(f"{a}={v.label}" for a, v in quant) or "base"
-        raw = json.loads(json.dumps(base_raw))
-        for _, v in quant:
-            if v.recipe:
-                src = other[v.recipe]
-                for key in ("calibration", "stages"):
-                    if key in src:
-                        raw[key] = src[key]
-                    else:
-                        raw.pop(key, None)
-            for key, value in (v.set or {}).items():
-                apply_override(raw, f"{key}={json.dumps(value)}")
-        raw["name"] = safe_name(f"{spec.name}-{qid}")
-        raw["eval"] = evspec.model_dump(mode="json")
-        if spec.publish_name:
-            raw["publish"] = {**(raw.get("publish") or {}), "name": spec.publish_name}
-        raw.setdefault("export", {})
+        raw = _cell_raw(spec, evspec, base_raw, other, [v for _, v in quant], qid)
         try:
             recipe = parse_recipe(raw, f"{path}: cell {cid}").with_absolute_paths(base_path.parent)
         except RecipeError as exc:
@@ -275,6 +235,56 @@ def expand(spec: StudySpec, path: Path) -> Study:
             raise StudyError(f"{path}: cell {c.id} has no artifact cell {c.quant_id}")
     cells.sort(key=lambda c: (c.serving, 0 if c.id == "base" else 1))
     return Study(spec, path, base_path, base, evspec, cells, invalid)
+
+
+def _study_eval(spec: StudySpec, base: Recipe, path: Path) -> EvalSpec:
+    """Every cell is measured on the same work: the base eval with the study's fields, load and price."""
+    ev = {**base.eval.model_dump(mode="json"), **spec.eval}
+    work = dict(ev.get("workload") or {})
+    work.update(concurrency=spec.load.levels, request_rates=list(spec.load.rates))
+    ev.update(workload=work, price_per_hour=spec.price_per_hour, variants=[])
+    try:
+        return EvalSpec.model_validate(ev)
+    except ValidationError as exc:
+        raise StudyError(format_errors(exc, f"{path} (eval)")) from None
+
+
+def _combos(spec: StudySpec, path: Path) -> list[tuple]:
+    """Each cell's value per axis (None: the base's)."""
+    options = [[None] + list(a.values) for a in spec.axes]
+    if spec.mode == "grid":
+        combos = list(itertools.product(*options))
+    else:
+        combos = [tuple(None for _ in spec.axes)]
+        for ai, axis in enumerate(spec.axes):
+            for v in axis.values:
+                combos.append(tuple(v if i == ai else None for i in range(len(spec.axes))))
+    if len(combos) > spec.max_cells:
+        raise StudyError(f"{path}: mode {spec.mode} expands to {len(combos)} cells, more than max_cells "
+                         f"({spec.max_cells}); use one_at_a_time, fewer values, or raise max_cells")
+    return combos
+
+
+def _cell_raw(spec: StudySpec, evspec: EvalSpec, base_raw: dict, other: dict[str, dict], quant: list[AxisValue],
+              qid: str) -> dict:
+    """A cell's recipe as data: the base with its quantization values applied, the study's name and eval."""
+    raw = json.loads(json.dumps(base_raw))
+    for v in quant:
+        if v.recipe:
+            src = other[v.recipe]
+            for key in ("calibration", "stages"):
+                if key in src:
+                    raw[key] = src[key]
+                else:
+                    raw.pop(key, None)
+        for key, value in (v.set or {}).items():
+            apply_override(raw, f"{key}={json.dumps(value)}")
+    raw["name"] = safe_name(f"{spec.name}-{qid}")
+    raw["eval"] = evspec.model_dump(mode="json")
+    if spec.publish_name:
+        raw["publish"] = {**(raw.get("publish") or {}), "name": spec.publish_name}
+    raw.setdefault("export", {})
+    return raw
 
 
 __all__ = ["AxisValue", "Axis", "LoadSpec", "StudySpec", "Cell", "Study", "StudyError", "load_study", "expand",
