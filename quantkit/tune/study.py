@@ -1,30 +1,5 @@
-"""A tune study: one base recipe, axes that each change one thing, and the cells to measure.
-
-    name: smollm2-tune
-    base: recipes/smollm2-w8a8-rtn.yaml      # its gates judge every cell; its model is every cell's model
-    mode: one_at_a_time                      # each axis value alone against the base; or `grid`
-    price_per_hour: 0.50                     # USD per hour of the serving machine (cost per successful task)
-    load: {normal: 1, peak: 4}               # closed-loop levels every cell is measured at (+ open-loop `rates`)
-    eval: {check_limit: 32}                  # fields replacing the base recipe's eval section (optional)
-    axes:
-      - name: method
-        values:
-          - {label: w4a16-gptq, recipe: recipes/smollm2-w4a16-gptq.yaml}   # its calibration and stages
-      - name: group_size
-        values:
-          - {label: g32, set: {"stages[0].group_size": 32}}                # recipe fields, by path
-      - name: engine
-        values:
-          - {label: prefix-caching, engine_args: {enable_prefix_caching: true}}
-
-A value changes the quantization (`recipe`: another recipe's calibration and stages; `set`: recipe fields
-by `--set` path) or the serving (`engine_args`: vLLM server flags), never both. Cells:
-- one_at_a_time: the base cell, then every value of every axis alone (the field guide: change one thing);
-- grid: every combination, each axis taking the base or one of its values.
-A cell whose quantization equals another's shares its artifact (converted once); a cell that only
-changes engine settings is a *serving* cell: its artifact's quality, measured once, with its own speed and
-memory under those settings (quantization and serving are tested separately, then together).
-"""
+"""A tune study: one base recipe, axes that each change one thing (a value changes the quantization or the
+serving, never both), and the cells to measure. The file format and the expansion: docs/tune.md."""
 
 from __future__ import annotations
 
