@@ -14,7 +14,7 @@ import torch
 from quantkit.plan import Target
 from quantkit.recipe import Recipe
 from quantkit.schemes import Scheme
-from quantkit.tune.sensitivity.layer_walk import FloatLayer, Model, open_model, walk_float_layers
+from quantkit.tune.sensitivity.layer_walk import FloatLayer, Walk, open_walk, walk_float_layers
 from quantkit.tune.sensitivity.recipes import high_stage
 from quantkit.tune.sensitivity.units import Unit, plan_units, use_proxy
 
@@ -30,12 +30,12 @@ class _Quantizer:
     scale_dtype: torch.dtype
 
     @classmethod
-    def of(cls, m: Model, high: Scheme | None) -> "_Quantizer":
+    def of(cls, walk: Walk, high: Scheme | None) -> "_Quantizer":
         from quantkit.quantize.methods import QUANTIZERS
 
-        low = m.recipe.stages[next(t.stage for t in m.plan.targets.values())]
-        return cls(QUANTIZERS[low.method], low, high, high_stage(m.recipe.stages[0], high) if high is not None else None,
-                   getattr(torch, m.recipe.model.dtype))
+        low = walk.recipe.stages[next(t.stage for t in walk.plan.targets.values())]
+        hi = high_stage(walk.recipe.stages[0], high) if high is not None else None
+        return cls(QUANTIZERS[low.method], low, high, hi, getattr(torch, walk.recipe.model.dtype))
 
 
 @torch.no_grad()
@@ -50,19 +50,19 @@ def measure(recipe: Recipe, high: Scheme | None, weights_dir: Path | None = None
 
     t0 = time.perf_counter()
     say = progress or (lambda m: None)
-    m = open_model(recipe, device)
-    shapes = {t: tuple(m.ckpt.layout(t + ".weight")[1]) for t in m.plan.targets}
+    walk = open_walk(recipe, device)
+    shapes = {t: tuple(walk.ckpt.layout(t + ".weight")[1]) for t in walk.plan.targets}
     float_bytes = torch.empty((), dtype=getattr(torch, recipe.model.dtype)).element_size()
-    units = plan_units(m.plan, shapes, high, float_bytes)
+    units = plan_units(walk.plan, shapes, high, float_bytes)
     by_layer: dict[int, list[Unit]] = {}
     for u in units:
         by_layer.setdefault(u.layer, []).append(u)
-    q = _Quantizer.of(m, high)
+    q = _Quantizer.of(walk, high)
     if weights_dir is not None:
         weights_dir.mkdir(parents=True, exist_ok=True)
-    say(f"sensitivity: {len(units)} units in {len(m.plan.layers)} layers, {m.calib.input_ids.numel()} calibration tokens")
+    say(f"sensitivity: {len(units)} units in {len(walk.plan.layers)} layers, {walk.calib.input_ids.numel()} calibration tokens")
     tl = time.perf_counter()
-    for fl in walk_float_layers(m, q.method.needs == "hessian"):
+    for fl in walk_float_layers(walk, q.method.needs == "hessian"):
         saved: dict[str, torch.Tensor] = {}
         for g, (members, unit) in enumerate(zip(fl.plan.groups, by_layer[fl.plan.index])):
             _measure_unit(fl, g, members, unit, q, saved if weights_dir is not None else None)
@@ -72,11 +72,11 @@ def measure(recipe: Recipe, high: Scheme | None, weights_dir: Path | None = None
         for u in by_layer[fl.plan.index]:
             u.layer_energy = energy
         worst = max(by_layer[fl.plan.index], key=lambda u: u.sq_low)
-        say(f"layer {fl.plan.index + 1}/{len(m.plan.layers)} in {time.perf_counter() - tl:.1f}s: most sensitive "
+        say(f"layer {fl.plan.index + 1}/{len(walk.plan.layers)} in {time.perf_counter() - tl:.1f}s: most sensitive "
             f"{worst.name} (error {worst.sq_low / energy:.3g} of this layer's output)")
         tl = time.perf_counter()
     use_proxy(units, "layer", energy)
-    return units, _facts(m, shapes, float_bytes, energy, t0)
+    return units, _facts(walk, shapes, float_bytes, energy, t0)
 
 
 def _measure_unit(fl: FloatLayer, g: int, members: list[Target], unit: Unit, q: _Quantizer,
@@ -114,10 +114,10 @@ def _sq_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref.double()).pow(2).sum())
 
 
-def _facts(m: Model, shapes: dict, float_bytes: int, final_energy: float, t0: float) -> dict:
+def _facts(walk: Walk, shapes: dict, float_bytes: int, final_energy: float, t0: float) -> dict:
     from quantkit.export.shards import stored_bytes
 
-    return {"model_dir": str(m.model_dir), "calibration_tokens": int(m.calib.input_ids.numel()),
-            "calibration_fingerprint": m.calib.fingerprint, "compute_dtype": str(m.compute).replace("torch.", ""),
-            "device": str(m.device), "float_bytes": float_bytes, "seconds": round(time.perf_counter() - t0, 1),
-            "other_bytes": stored_bytes(m.ckpt, {n + ".weight" for n in shapes}), "final_energy": final_energy}
+    return {"model_dir": str(walk.model_dir), "calibration_tokens": int(walk.calib.input_ids.numel()),
+            "calibration_fingerprint": walk.calib.fingerprint, "compute_dtype": str(walk.compute).replace("torch.", ""),
+            "device": str(walk.device), "float_bytes": float_bytes, "seconds": round(time.perf_counter() - t0, 1),
+            "other_bytes": stored_bytes(walk.ckpt, {n + ".weight" for n in shapes}), "final_energy": final_energy}

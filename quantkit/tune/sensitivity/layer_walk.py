@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Model:
-    """The model side of one pass: the skeleton (no weights), its plan, the lazy checkpoint and the
+class Walk:
+    """What one walk goes over: the skeleton (no weights), its plan, the lazy checkpoint and the
     calibration batch, on the conversion device in the compute dtype."""
 
     recipe: Recipe
@@ -39,7 +39,7 @@ class Model:
     compute: torch.dtype
 
 
-def open_model(recipe: Recipe, device: str = "auto") -> Model:
+def open_walk(recipe: Recipe, device: str = "auto") -> Walk:
     from quantkit.data import build_calibration_set
     from quantkit.hardware import compute_dtype, conversion_device
     from quantkit.model.arch import arch_for
@@ -55,7 +55,7 @@ def open_model(recipe: Recipe, device: str = "auto") -> Model:
     model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
     arch = arch_for(model.config)
     plan = make_plan(model, arch, recipe)
-    return Model(recipe, model_dir, model, arch, plan, LazyCheckpoint(model_dir), calib, dev, compute)
+    return Walk(recipe, model_dir, model, arch, plan, LazyCheckpoint(model_dir), calib, dev, compute)
 
 
 @dataclass
@@ -88,22 +88,22 @@ def forward(layer: nn.Module, pieces) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def walk_float_layers(m: Model, hessian: bool) -> Iterator[FloatLayer]:
+def walk_float_layers(walk: Walk, hessian: bool) -> Iterator[FloatLayer]:
     """Every decoder layer in turn, materialized, run float over the calibration batch with its sequential
     groups' inputs gathered (the Hessian when `hessian`); released once the visitor is done with it."""
     from quantkit.distributed import ChunkLayout
     from quantkit.model.checkpoint import materialize, release
     from quantkit.quantize.layers import GroupInputs, _to_device, capture_layer_inputs
 
-    bs = m.recipe.calibration.batch_size
-    hidden, by_size = capture_layer_inputs(m.module, m.arch, m.ckpt, m.calib.input_ids, m.compute, bs)
-    hidden = hidden.to(m.device)
+    bs = walk.recipe.calibration.batch_size
+    hidden, by_size = capture_layer_inputs(walk.module, walk.arch, walk.ckpt, walk.calib.input_ids, walk.compute, bs)
+    hidden = hidden.to(walk.device)
     layout = ChunkLayout.of(hidden.shape[0], bs, hidden.shape[1])
-    layers = m.module.get_submodule(m.arch.layers)
-    for lp in m.plan.layers:
+    layers = walk.module.get_submodule(walk.arch.layers)
+    for lp in walk.plan.layers:
         layer = layers[lp.index]
-        materialize(layer, lp.prefix, m.ckpt, m.compute, m.device)
-        kws = {size: _to_device(kw[lp.index], m.device, m.compute) for size, kw in by_size.items()}
+        materialize(layer, lp.prefix, walk.ckpt, walk.compute, walk.device)
+        kws = {size: _to_device(kw[lp.index], walk.device, walk.compute) for size, kw in by_size.items()}
         pieces = [(h, kws[h.shape[0]]) for h in hidden.split(bs)]
         inputs = [GroupInputs(hessian, layout) for _ in lp.groups]
         handles = [layer.get_submodule(name[len(lp.prefix):]).register_forward_pre_hook(

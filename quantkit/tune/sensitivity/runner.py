@@ -21,7 +21,7 @@ from quantkit.tune.sensitivity.layer_error import measure
 from quantkit.tune.sensitivity.recipes import check_recipe, mixed_recipe
 from quantkit.tune.sensitivity.report import write_report
 from quantkit.tune.sensitivity.units import Unit, use_proxy
-from quantkit.tune.sensitivity.validation import FullModelKL, end_weights, kl_factor, validate
+from quantkit.tune.sensitivity.validation import FullModelKL, end_weights, kl_factor, validate_proxy
 
 MEASURE_VERSION = 1  # bump when the measurement's definition changes: cached measurements are then redone
 
@@ -46,8 +46,8 @@ def run(recipe: Recipe, budget: str | list[str], output: Path, options: Sensitiv
     o = replace(options or SensitivityOptions(), **fields)
     r = _Run(recipe, o, output, check_recipe(recipe, o.high), o.progress or (lambda m: None))
     output.mkdir(parents=True, exist_ok=True)
-    r.measure()
-    validation = r.validate() if o.validate else None
+    r.load_or_measure()
+    validation = r.load_or_validate() if o.validate else None
     factor = (validation or {}).get("kl_factor")
     budgets, lat, choice, ends = r.choose(budget, factor)
     if validation and choice["kept"]:
@@ -83,7 +83,7 @@ class _Run:
         return {"recipe": self.recipe.hash(), "high": self.options.high, "version": MEASURE_VERSION,
                 "weights": bool(self.options.validate)}
 
-    def measure(self) -> None:
+    def load_or_measure(self) -> None:
         cached = _cached(self.output / "measured.json", self.key)
         if cached is not None:
             self.units, self.facts = [Unit(**u) for u in cached["units"]], cached["facts"]
@@ -106,7 +106,7 @@ class _Run:
                                    self.options.kl_tokens, trust_remote_code=self.recipe.model.trust_remote_code)
         return self._fm
 
-    def validate(self) -> dict:
+    def load_or_validate(self) -> dict:
         """The validation (cached beside the measurement); the units take its per-unit KLs and its proxy."""
         o = self.options
         vkey = {**self.key, "validate": o.validate, "kl_tokens": o.kl_tokens,
@@ -116,8 +116,8 @@ class _Run:
             validation.pop("key")
             self.say(f"sensitivity: reusing the validation in {self.output / 'validation.json'}")
         else:
-            validation = validate(self.full_model(), self.high, self.units, self.facts, self.weights_dir, o.validate,
-                                  self.say)
+            validation = validate_proxy(self.full_model(), self.high, self.units, self.facts, self.weights_dir,
+                                        o.validate, self.say)
             atomic_write_json(self.output / "validation.json", {"key": vkey, **validation})
         for u in self.units:
             u.kl_low = validation["kl_low"].get(u.name)

@@ -140,8 +140,8 @@ def end_weights(weights_dir: Path, units: list[Unit], high: Scheme | None, kept:
     return w, acts
 
 
-def validate(fm: FullModelKL, high: Scheme | None, units: list[Unit], facts: dict, weights_dir: Path, n: int,
-             say) -> dict:
+def validate_proxy(fm: FullModelKL, high: Scheme | None, units: list[Unit], facts: dict, weights_dir: Path, n: int,
+                   say) -> dict:
     """Full-model KL of `n` units spread over the ranking (each alone at the low scheme) and of both ends;
     the proxy whose ranking agrees better with the per-unit KLs."""
     say(f"validation: full-model KL on {', '.join(f.name for f in fm.files)} for {min(n, len(units))} units")
