@@ -244,7 +244,8 @@ def _sides():
 
 def test_checks_in_metrics_gates_and_report(tmp_path):
     from quantkit.evaluate.metrics import metrics_table
-    from quantkit.evaluate.report import METRIC_PATTERNS, render_markdown, build_report
+    from quantkit.evaluate.catalogue import METRIC_PATTERNS
+    from quantkit.evaluate.report import render_markdown, build_report
     from quantkit.evaluate.suite import load_suite
     from quantkit.gates import evaluate_gate
     from quantkit.recipe import GateSpec

@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from quantkit.evaluate.catalogue import BOOTSTRAP, WILSON, fixed_names
 from quantkit.evaluate.checks import wilson
 
 LEVEL = 0.95
@@ -38,7 +39,8 @@ DESCRIPTION = (f"perplexity, KL and top-1 agreement by a percentile bootstrap ov
                "resamples the same windows on both sides); task, tool-call and safety rates by the Wilson score "
                "interval on successes / items (tasks.mean_acc at its effective sample size)")
 
-# metric -> (where the per-window lists are in a side's record, numerator list, transform of the ratio)
+# how to resample each BOOTSTRAP metric of the catalogue: (where the per-window lists are in a side's record,
+# numerator list, transform of the ratio)
 _WINDOW_METRICS = {
     "quality.perplexity": (("quality",), "logprob_sum", lambda r: np.exp(-r)),
     "quality.reference_perplexity": (("reference",), "logprob_sum", lambda r: np.exp(-r)),
@@ -94,7 +96,7 @@ def percentile_interval(stats: np.ndarray) -> list[float] | None:
 def window_intervals(baseline: dict | None, candidate: dict | None) -> dict[str, dict]:
     """Bootstrap intervals of the window metrics for each side, and the paired ratio interval."""
     out: dict[str, dict] = {}
-    for metric in _WINDOW_METRICS:
+    for metric in fixed_names(interval=BOOTSTRAP):
         cols = {"baseline": _columns(baseline, metric), "candidate": _columns(candidate, metric)}
         stats = {role: resampled(metric, *c) for role, c in cols.items() if c is not None}
         ci = {role: percentile_interval(s) for role, s in stats.items()}
@@ -149,10 +151,10 @@ def _is_proportion(value, successes, items) -> bool:
 
 def check_intervals(side: dict | None) -> dict[str, list[float]]:
     """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/chat_checks.py)."""
-    from quantkit.evaluate.names import CHECK_METRICS, dig
+    from quantkit.evaluate.catalogue import dig
 
     out: dict[str, list[float]] = {}
-    for name in CHECK_METRICS:
+    for name in fixed_names(probe="checks", interval=WILSON):
         r = dig(side, "checks", *name.split("."))
         if isinstance(r, dict) and r.get("items") and isinstance(r.get("ci95"), list):
             out[name] = list(r["ci95"])

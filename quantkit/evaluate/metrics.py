@@ -19,7 +19,7 @@ and, with a price per hour:
 
 from __future__ import annotations
 
-from quantkit.evaluate.names import CHECK_METRICS, dig
+from quantkit.evaluate.catalogue import dig, fixed_names, labelled
 from quantkit.evaluate.reference import engine_gap, engine_vs_reference
 
 LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -96,83 +96,75 @@ def cost_figures(side: dict | None, price_per_hour: float | None) -> dict:
     return out
 
 
-def _serving_values(side: dict) -> dict[str, tuple[float | None, str, bool]]:
+def _serving_values(side: dict) -> dict[str, float | None]:
     """The figures the default speed, memory and cost gates read, whatever levels the suite measured: decode
     TPOT p50 at the lowest concurrency, output throughput at the highest, failed requests over all levels,
     the memory the engine process held (peak GPU memory on a GPU, else the process tree's peak PSS: measured,
     not computed from the checkpoint), and machine-seconds per thousand successful tasks."""
     speed = side.get("speed") or {}
     levels = concurrency_levels(speed)
-    out: dict[str, tuple[float | None, str, bool]] = {
-        "speed.decode_tpot_ms_p50": (speed[levels[0]].get("tpot_ms_p50") if levels else None, "ms", False),
-        "speed.peak_output_tok_s": (speed[levels[-1]].get("output_tok_s") if levels else None, "tok/s", True),
-        "speed.failed_requests": (float(sum(s.get("failed", 0) for s in speed.values())) if speed else None,
-                                  "requests", False)}
+    out: dict[str, float | None] = {
+        "speed.decode_tpot_ms_p50": speed[levels[0]].get("tpot_ms_p50") if levels else None,
+        "speed.peak_output_tok_s": speed[levels[-1]].get("output_tok_s") if levels else None,
+        "speed.failed_requests": float(sum(s.get("failed", 0) for s in speed.values())) if speed else None}
     mem = side.get("memory") or {}
-    held = mem.get("peak_gpu_bytes") if mem.get("peak_gpu_bytes") is not None else mem.get("peak_pss_bytes")
-    out["memory.engine_bytes"] = (held, "bytes", False)
-    out["cost.machine_s_per_k_successful_tasks"] = (cost_figures(side, None).get("machine_s_per_k_successful_tasks"),
-                                                    "s/1k", False)
+    out["memory.engine_bytes"] = mem.get("peak_gpu_bytes") if mem.get("peak_gpu_bytes") is not None else mem.get("peak_pss_bytes")
+    out["cost.machine_s_per_k_successful_tasks"] = cost_figures(side, None).get("machine_s_per_k_successful_tasks")
     art = side.get("artifact") or {}
-    for name, unit, hib in (("coverage", "fraction", True), ("nonfinite_tensors", "count", False),
-                            ("experts_unrecorded", "count", False)):
+    for name in ("coverage", "nonfinite_tensors", "experts_unrecorded"):
         if name in art:
-            out[f"artifact.{name}"] = (art[name], unit, hib)
+            out[f"artifact.{name}"] = art[name]
     return out
 
 
 def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tuple[float | None, str, bool]]:
-    """One model's figures as {metric: (value, unit, higher_is_better)}."""
+    """One model's figures as {metric: (value, unit, higher_is_better)}; units and directions from the catalogue."""
     if side is None:
         return {}
-    out: dict[str, tuple[float | None, str, bool]] = {}
+    out: dict[str, float | None] = {}
     q = side.get("quality") or {}
-    out["quality.perplexity"] = (q.get("perplexity"), "ppl", False)
-    out["quality.kl_mean"] = (dig(q, "divergence", "kl_mean"), "nats", False)
-    out["quality.kl_p99"] = (dig(q, "divergence", "kl_p99"), "nats", False)
-    out["quality.top1_agreement"] = (dig(q, "divergence", "top1_agreement"), "fraction", True)
+    out["quality.perplexity"] = q.get("perplexity")
+    out["quality.kl_mean"] = dig(q, "divergence", "kl_mean")
+    out["quality.kl_p99"] = dig(q, "divergence", "kl_p99")
+    out["quality.top1_agreement"] = dig(q, "divergence", "top1_agreement")
     ref = side.get("reference")
     if isinstance(ref, dict):  # the engine-free reference (quantkit/evaluate/reference.py)
-        out["quality.reference_perplexity"] = (ref.get("perplexity"), "ppl", False)
-        out["quality.engine_vs_reference"] = (engine_vs_reference(q.get("perplexity"), ref.get("perplexity")),
-                                              "fraction", False)
+        out["quality.reference_perplexity"] = ref.get("perplexity")
+        out["quality.engine_vs_reference"] = engine_vs_reference(q.get("perplexity"), ref.get("perplexity"))
     rows = dig(side, "tasks", "tasks") or {}
     for task, r in rows.items():
-        out[f"tasks.{task}.{r['metric']}"] = (r["value"], "fraction", True)
+        out[f"tasks.{task}.{r['metric']}"] = r["value"]
         for extra, val in (r.get("extra") or {}).items():
-            out[f"tasks.{task}.{extra}"] = (val, "fraction", True)
-    out["tasks.mean_acc"] = (sum(r["value"] for r in rows.values()) / len(rows) if rows else None, "fraction", True)
-    out["tasks.success_rate"] = (task_success_rate(side.get("tasks")), "fraction", True)
+            out[f"tasks.{task}.{extra}"] = val
+    out["tasks.mean_acc"] = sum(r["value"] for r in rows.values()) / len(rows) if rows else None
+    out["tasks.success_rate"] = task_success_rate(side.get("tasks"))
     for lvl, s in (side.get("speed") or {}).items():
         for m in LAT:
             for p in PCTS:
-                out[f"speed.{lvl}.{m}_p{p}"] = (s.get(f"{m}_p{p}"), "ms", False)
-        out[f"speed.{lvl}.output_tok_s"] = (s.get("output_tok_s"), "tok/s", True)
-        out[f"speed.{lvl}.requests_s"] = (s.get("requests_s"), "req/s", True)
-        out[f"speed.{lvl}.failed"] = (float(s.get("failed", 0)), "requests", False)
+                out[f"speed.{lvl}.{m}_p{p}"] = s.get(f"{m}_p{p}")
+        out[f"speed.{lvl}.output_tok_s"] = s.get("output_tok_s")
+        out[f"speed.{lvl}.requests_s"] = s.get("requests_s")
+        out[f"speed.{lvl}.failed"] = float(s.get("failed", 0))
         em = s.get("engine_metrics") or {}
-        out[f"speed.{lvl}.queue_ms_mean"] = (em.get("request_queue_time_mean_ms"), "ms", False)
-        out[f"speed.{lvl}.kv_cache_usage_max"] = (em.get("kv_cache_usage_perc_max"), "fraction", False)
-        out[f"speed.{lvl}.preemptions"] = (em.get("num_preemptions"), "count", False)
-    for name, (unit, hib) in CHECK_METRICS.items():
+        out[f"speed.{lvl}.queue_ms_mean"] = em.get("request_queue_time_mean_ms")
+        out[f"speed.{lvl}.kv_cache_usage_max"] = em.get("kv_cache_usage_perc_max")
+        out[f"speed.{lvl}.preemptions"] = em.get("num_preemptions")
+    for name in fixed_names(probe="checks"):
         r = dig(side, "checks", *name.split("."))
         if isinstance(r, dict) and "value" in r:
-            out[name] = (r["value"], unit, hib)
+            out[name] = r["value"]
     out.update(_serving_values(side))
     mem = side.get("memory") or {}
-    out["memory.checkpoint_bytes"] = (mem.get("checkpoint_bytes"), "bytes", False)
-    out["memory.weight_bytes"] = (mem.get("weight_bytes"), "bytes", False)
-    out["memory.kv_cache_tokens"] = (mem.get("kv_cache_tokens"), "tokens", True)
-    out["memory.peak_rss_bytes"] = (mem.get("peak_rss_bytes"), "bytes", False)
-    out["memory.peak_pss_bytes"] = (mem.get("peak_pss_bytes"), "bytes", False)
+    for name in ("checkpoint_bytes", "weight_bytes", "kv_cache_tokens", "peak_rss_bytes", "peak_pss_bytes"):
+        out[f"memory.{name}"] = mem.get(name)
     if mem.get("peak_gpu_bytes") is not None:
-        out["memory.peak_gpu_bytes"] = (mem.get("peak_gpu_bytes"), "bytes", False)
-        out["memory.gpu_util_mean"] = (mem.get("gpu_util_mean"), "percent", False)
+        out["memory.peak_gpu_bytes"] = mem.get("peak_gpu_bytes")
+        out["memory.gpu_util_mean"] = mem.get("gpu_util_mean")
     cost = cost_figures(side, price_per_hour)
     if cost and price_per_hour is not None:
-        out["cost.usd_per_mtok_output"] = (cost.get("usd_per_mtok_output"), "USD/Mtok", False)
-        out["cost.usd_per_k_successful_tasks"] = (cost.get("usd_per_k_successful_tasks"), "USD/1k", False)
-    return out
+        out["cost.usd_per_mtok_output"] = cost.get("usd_per_mtok_output")
+        out["cost.usd_per_k_successful_tasks"] = cost.get("usd_per_k_successful_tasks")
+    return labelled(out)
 
 
 def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float | None) -> dict[str, dict]:
@@ -185,8 +177,8 @@ def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float 
     c = side_values(candidate, price_per_hour)
     gap = engine_gap(baseline, candidate)
     if gap is not None:  # needs both sides: the candidate's extra degradation in the engine; 0 for the baseline
-        b["quality.engine_gap"] = (0.0, "fraction", False)
-        c["quality.engine_gap"] = (gap, "fraction", False)
+        b.update(labelled({"quality.engine_gap": 0.0}))
+        c.update(labelled({"quality.engine_gap": gap}))
     ci = intervals(baseline, candidate)
     out = {}
     for name in list(b) + [n for n in c if n not in b]:

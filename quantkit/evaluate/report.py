@@ -1,7 +1,7 @@
 """The eval report: report.json (schema quantkit.report/1), report.md and PNG plots.
 
 This module owns the report's facts: its schema, where it lives (REPORT_FILE in EVAL_DIR of an
-artifact). The metric names a gate may use live in quantkit/evaluate/names.py.
+artifact). Metric names, units and directions live in the catalogue (quantkit/evaluate/catalogue.py).
 
 report.json top level: schema, created, complete (false when a phase failed; quantkit/evaluate/phases.py),
 incomplete (which phases, and why), artifact {path, name, quantization, size_bytes, manifest_sha256}, baseline
@@ -21,7 +21,6 @@ from pathlib import Path
 
 from quantkit.evaluate.confidence import DESCRIPTION as CI_DESCRIPTION
 from quantkit.evaluate.metrics import cost_figures, delta, metrics_table, recovery
-from quantkit.evaluate.names import METRIC_PATTERNS  # noqa: F401 - re-exported; its home is names.py
 from quantkit.evaluate.phases import failed_phases
 from quantkit.io import atomic_write_json, atomic_write_text
 
