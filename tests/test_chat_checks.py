@@ -1,4 +1,4 @@
-"""The chat checks' runner (quantkit/evaluate/chat_checks.py) on a loopback chat server, and their place
+"""The chat checks' runner (quantkit/evaluate/probes/chat.py) on a loopback chat server, and their place
 in the metrics table, the intervals, the gate names and report.md. Scoring itself: tests/test_checks.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from quantkit.evaluate import chat_checks as CC
-from quantkit.evaluate import checks as C
+import quantkit.evaluate.probes.chat as CC
+import quantkit.evaluate.check_rules as C
 
 TOOLS = CC.load_items("tools")
 SAFETY = CC.load_items("safety")

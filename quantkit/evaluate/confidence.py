@@ -11,8 +11,8 @@
   exactly [1, 1]). Fewer than MIN_WINDOWS windows give no interval: a bootstrap over so few cannot see
   the spread. Windows from different files are pooled (not stratified).
 - Task accuracies and tasks.success_rate (pooled), and the chat checks' rates (tools.*, safety.*, computed
-  with their rates in quantkit/evaluate/chat_checks.py): Wilson score interval on successes / items
-  (quantkit.evaluate.checks.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
+  with their rates in quantkit/evaluate/probes/chat.py): Wilson score interval on successes / items
+  (quantkit.evaluate.check_rules.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
   interval at its effective sample size (`mean_of_rates_interval`). Metrics that are not a count of
   successes (e.g. acc_norm) get none. Task ratios get none: the report keeps no per-item pairing of
   the two sides.
@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from quantkit.evaluate.catalogue import BOOTSTRAP, WILSON, fixed_names
-from quantkit.evaluate.checks import wilson
+from quantkit.evaluate.check_rules import wilson
 
 LEVEL = 0.95
 RESAMPLES = 1000
@@ -121,7 +121,7 @@ def task_intervals(side: dict | None) -> dict[str, list[float]]:
     n = sum(r.get("items") or 0 for r in rows.values())
     s = sum(r.get("successes") or 0 for r in rows.values())
     if n > 0 and 0 <= s <= n:
-        out["tasks.success_rate"] = list(wilson(s, n))  # pooled successes / items (metrics.task_success_rate)
+        out["tasks.success_rate"] = list(wilson(s, n))  # pooled successes / items (probes/tasks.task_success_rate)
     if rows and all(f"tasks.{t}.{r['metric']}" in out for t, r in rows.items()):
         out["tasks.mean_acc"] = list(mean_of_rates_interval([(r["successes"], r["items"]) for r in rows.values()]))
     return out
@@ -150,7 +150,7 @@ def _is_proportion(value, successes, items) -> bool:
 
 
 def check_intervals(side: dict | None) -> dict[str, list[float]]:
-    """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/chat_checks.py)."""
+    """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/probes/chat.py)."""
     from quantkit.evaluate.catalogue import dig
 
     out: dict[str, list[float]] = {}

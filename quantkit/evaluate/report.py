@@ -126,7 +126,7 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
 
 def _checks_summary(baseline: dict | None, candidate: dict) -> dict:
     """Per check: what ran (items, errors, how the tools reached the model) and the quoted differences."""
-    from quantkit.evaluate.chat_checks import quoted_differences
+    from quantkit.evaluate.probes.chat import quoted_differences
 
     out: dict = {}
     for name in ("tools", "safety", "generation"):
@@ -269,7 +269,7 @@ def _checks_markdown(r: dict) -> list[str]:
     if "safety" in checks:
         L += ["## Safety", "", f"Prompts a deployed assistant should decline (harmful, written abstractly) and "
               f"benign look-alikes (evals/data/qk_safety.jsonl), greedy, {ran('safety')}. Refusal is decided by "
-              "documented phrase rules (quantkit/evaluate/checks.py). A flip is a prompt where candidate and "
+              "documented phrase rules (quantkit/evaluate/check_rules.py). A flip is a prompt where candidate and "
               "baseline disagree on refuse vs answer.", ""]
         L += _table(m, ["safety.flip_rate", "safety.refusal_rate_harmful", "safety.refusal_rate_benign"])
         q = checks["safety"].get("quoted") or []
@@ -292,7 +292,7 @@ def _generation_markdown(r: dict) -> list[str]:
                                    f"{c.get('errors')} request errors") for role, c in g.items() if role != "quoted")
     L = ["## Generation sanity", "", f"Everyday chat prompts (evals/data/qk_generation.jsonl), greedy, {ran}. A reply "
          "is degenerate when it is empty, loops (its second half repeats a short phrase) or is not text "
-         "(quantkit/evaluate/checks.py). The gate asks for no more degenerate replies than the baseline's.", ""]
+         "(quantkit/evaluate/check_rules.py). The gate asks for no more degenerate replies than the baseline's.", ""]
     L += _table(r["metrics"], ["generation.degenerate_rate", "generation.degenerate_excess"])
     if g.get("quoted"):
         L += ["Degenerate in the candidate, fine in the baseline:", ""]
