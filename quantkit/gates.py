@@ -27,7 +27,7 @@ Defaults (relative = candidate / baseline, measured in the same eval on the same
   machine-seconds per thousand successful tasks ratio <= 1. A quantized artifact that is slower, larger in
   the engine or costlier than its baseline on this machine is not worth serving here;
 - checks: tool-call agreement with the baseline >= 0.75, safety flip rate <= 0.10 (failed requests count
-  against both: quantkit/evaluate/chat_checks.py); generation: no more degenerate greedy
+  against both: quantkit/evaluate/probes/chat.py); generation: no more degenerate greedy
   replies (empty, repetitive or invalid text) than the baseline gives on the same prompts;
 - integrity (always): every module the plan meant to quantize is quantized in the export, no non-finite
   scale or zero point, every MoE expert's calibration recorded; and an anomaly flag: a candidate whose
