@@ -180,3 +180,31 @@ def test_the_gate_command_logs_a_gate_run_linked_to_its_eval(store, tmp_path):
     assert run.data.metrics["gate.passed"] == (1.0 if res.exit_code == 0 else 0.0)
     res = CliRunner().invoke(app, ["--no-track", "gate", str(art)])
     assert len(store.search_runs([exp.experiment_id])) == 1  # --no-track: no second run
+
+
+def test_a_tracked_conversion_logs_recipe_layers_and_files(store, tmp_path, tiny_llama):
+    from typer.testing import CliRunner
+
+    from conftest import tiny_recipe, write_recipe
+    from quantkit.cli import app
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}]))
+    res = CliRunner().invoke(app, ["convert", str(recipe), "-o", str(tmp_path / "out"), "-q"])
+    assert res.exit_code == 0, res.output
+    exp = store.get_experiment_by_name(f"quantkit/{tiny_llama.name}")
+    (run,) = store.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["quantkit.kind"] == "convert"
+    assert run.data.params["recipe.stages.0.method"] == "rtn" and run.data.params["recipe.stages.0.scheme"] == "W8A8"
+    assert run.data.tags["quantkit.manifest_sha256"] == tracking.sha256_file(tmp_path / "out" / "manifest.json")
+    # one point per decoder layer (the tiny model has 2) for a module's output SQNR
+    hist = store.get_metric_history(run.info.run_id, "weight_sqnr_db.mlp.down_proj")
+    assert sorted(m.step for m in hist) == [0, 1] and all(m.value > 20 for m in hist)
+    files = {f.path for f in store.list_artifacts(run.info.run_id)}
+    assert {"manifest.json", "convert.log", "recipe.yaml"} <= files
+    # a refused conversion is a FAILED run naming the problem; nothing else runs
+    bad = write_recipe(tmp_path / "bad.yaml", tiny_recipe(tmp_path / "no-model", None, [{"method": "rtn", "scheme": "W8A8"}]))
+    res = CliRunner().invoke(app, ["convert", str(bad), "-o", str(tmp_path / "out2"), "-q"])
+    assert res.exit_code == 2
+    exp2 = store.get_experiment_by_name("quantkit/no-model")
+    (failed,) = store.search_runs([exp2.experiment_id])
+    assert failed.info.status == "FAILED" and "no-model" in failed.data.tags["quantkit.error"]

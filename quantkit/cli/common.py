@@ -151,10 +151,11 @@ def tracking_on(ctx: click.Context | None) -> bool:
 
 
 @contextlib.contextmanager
-def tracked(ctx: click.Context | None, kind: str, model: str, name: str, tags: dict | None = None):
-    """An MLflow run around a command, opened before any work (None when tracking is off). It ends FINISHED
-    (a gate that fails is a finished gate run), FAILED with the error line and crash-log path, or KILLED."""
-    if not tracking_on(ctx):
+def tracked(ctx: click.Context | None, kind: str, model: str, name: str, tags: dict | None = None, on: bool = True):
+    """An MLflow run around a command, opened before any work (None when tracking is off, or `on` is False: a
+    rank other than 0). It ends FINISHED (a gate that fails is a finished gate run), FAILED with the error line
+    and crash-log path, or KILLED."""
+    if not on or not tracking_on(ctx):
         yield None
         return
     from quantkit import tracking
