@@ -385,3 +385,25 @@ def subject_of_report(report_path: Path) -> tuple[str, str]:
     except (OSError, ValueError):
         return "unknown", Path(report_path).parent.name  # the gate itself reports the unreadable file
     return str((rep.get("baseline") or {}).get("path") or "unknown"), str((rep.get("artifact") or {}).get("name") or "?")
+
+
+_CELL_STATUS = {"done": "FINISHED", "failed": "FAILED", "skipped": "FINISHED"}
+
+
+def log_study(run: Run, records: list[dict], data: dict) -> None:
+    """A tune study: the parent run holds the recommendation; one child run per cell holds its figures (cost,
+    quality, latency, throughput, memory), its gate summary and its timings."""
+    rec = data.get("recommended") or {}
+    run.tags({TAG + "recommended": rec.get("id"), "mlflow.note.content":
+              f"recommended: {rec.get('id')} ({rec.get('reason')})" if rec.get("id") else
+              f"no recommendation: {rec.get('reason')}"})
+    run.metrics({"cells": len(records), "cells_done": sum(r.get("status") == "done" for r in records)})
+    for r in records:
+        if r.get("status") is None:
+            continue  # not run (yet)
+        child = run.child(r["id"], "tune-cell", {TAG + "cell_kind": r.get("kind"), TAG + "cell_status": r.get("status"),
+                                                TAG + "gates_passed": (r.get("gates") or {}).get("passed")})
+        child.params({"choices": r.get("choices") or {}, "engine_args": r.get("engine_args") or {}})
+        child.metrics({**{f"figure.{k}": v for k, v in (r.get("figures") or {}).items()},
+                       **{f"time.{k}": v for k, v in (r.get("timings") or {}).items()}})
+        child.end(_CELL_STATUS.get(r["status"], "FINISHED"), r.get("reason"))

@@ -208,3 +208,25 @@ def test_a_tracked_conversion_logs_recipe_layers_and_files(store, tmp_path, tiny
     exp2 = store.get_experiment_by_name("quantkit/no-model")
     (failed,) = store.search_runs([exp2.experiment_id])
     assert failed.info.status == "FAILED" and "no-model" in failed.data.tags["quantkit.error"]
+
+
+def test_a_study_is_a_parent_run_with_one_child_per_cell_that_ran(store):
+    records = [
+        {"id": "w8a8", "kind": "artifact", "status": "done", "choices": {"scheme": "W8A8"}, "engine_args": {},
+         "gates": {"passed": True}, "figures": {"ppl_ratio": 1.03, "e2e_p99_ms_peak": 950.0, "cost_level": "c4"},
+         "timings": {"convert_s": 30.5, "eval_s": 200.0}},
+        {"id": "w4a16", "kind": "artifact", "status": "failed", "reason": "RuntimeError: engine died",
+         "choices": {"scheme": "W4A16"}, "timings": {"total_s": 12.0}},
+        {"id": "w8a8-bs64", "kind": "serving", "status": None},  # not run: no child
+    ]
+    with tracked(_ctx(), "tune", "tiny", "tune demo") as parent:
+        tracking.log_study(parent, records, {"recommended": {"id": "w8a8", "reason": "cheapest passing"}})
+    exp = store.get_experiment_by_name("quantkit/tiny")
+    runs = {r.info.run_name: r for r in store.search_runs([exp.experiment_id])}
+    assert set(runs) == {"tune demo", "w8a8", "w4a16"}
+    assert runs["tune demo"].data.tags["quantkit.recommended"] == "w8a8"
+    child = runs["w8a8"]
+    assert child.data.tags["mlflow.parentRunId"] == parent.run_id and child.info.status == "FINISHED"
+    assert child.data.metrics["figure.ppl_ratio"] == 1.03 and child.data.metrics["time.eval_s"] == 200.0
+    assert "figure.cost_level" not in child.data.metrics  # a label, not a number
+    assert runs["w4a16"].info.status == "FAILED" and "engine died" in runs["w4a16"].data.tags["quantkit.error"]
