@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,8 +126,10 @@ def open_run(kind: str, model: str, name: str, tags: dict | None = None) -> Run:
 
             client = MlflowClient(tracking_uri=uri)
             exp = _experiment(client, experiment_name(model))
-            run = client.create_run(exp, run_name=name, tags={TAG + "kind": kind, TAG + "model": str(model),
-                                                              **{k: str(v) for k, v in (tags or {}).items()}})
+            reap_dead_runs(client, exp)
+            run = client.create_run(exp, run_name=name, tags={
+                TAG + "kind": kind, TAG + "model": str(model), TAG + "host": socket.gethostname(),
+                TAG + "pid": str(os.getpid()), **{k: str(v) for k, v in (tags or {}).items()}})
         except Exception as exc:  # noqa: BLE001 - any failure to reach the store is the same refusal
             raise TrackingError(f"tracking store {uri}: {_one_line(exc)}. Fix QUANTKIT_TRACKING_URI (sqlite:///path.db "
                                 "or http(s)://host:port), or turn tracking off with --no-track / "
@@ -146,6 +149,31 @@ def _fast_failing_http():
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
+
+
+def reap_dead_runs(client, experiment_id: str) -> int:
+    """Mark KILLED the RUNNING runs this host started whose process is gone (kill -9, power loss): nothing in
+    the process could end them. Returns how many were marked."""
+    host, n = socket.gethostname(), 0
+    for r in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200):
+        tags = r.data.tags
+        if tags.get(TAG + "host") != host or not tags.get(TAG + "pid", "").isdigit() or _alive(int(tags[TAG + "pid"])):
+            continue
+        client.set_tag(r.info.run_id, TAG + "error", f"process {tags[TAG + 'pid']} on {host} ended without ending its "
+                                                     "run (killed, e.g. kill -9 or out of memory)")
+        client.set_terminated(r.info.run_id, "KILLED")
+        n += 1
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _experiment(client, name: str) -> str:

@@ -230,3 +230,62 @@ def test_a_study_is_a_parent_run_with_one_child_per_cell_that_ran(store):
     assert child.data.metrics["figure.ppl_ratio"] == 1.03 and child.data.metrics["time.eval_s"] == 200.0
     assert "figure.cost_level" not in child.data.metrics  # a label, not a number
     assert runs["w4a16"].info.status == "FAILED" and "engine died" in runs["w4a16"].data.tags["quantkit.error"]
+
+
+HOLDER = """
+import os, sys, time
+from quantkit.cli.common import tracked
+import click
+ctx = click.Context(click.Command("quantkit")); ctx.obj = {}
+with tracked(ctx, "convert", "tiny", sys.argv[1]):
+    print("open", flush=True)
+    time.sleep(120)
+"""
+
+
+def _holder(store, name):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, name], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "open"
+    return p
+
+
+def test_sigterm_ends_the_run_killed_and_kill_9_is_reaped_by_the_next_run(store):
+    import signal
+
+    term = _holder(store, "terminated")
+    term.send_signal(signal.SIGTERM)
+    assert term.wait(timeout=60) != 0
+    nine = _holder(store, "kill -9")
+    nine.kill()
+    nine.wait(timeout=60)
+    runs = {r.info.run_name: r for r in _all(store)}
+    assert runs["terminated"].info.status == "KILLED" and "signal 15" in runs["terminated"].data.tags["quantkit.error"]
+    assert runs["kill -9"].info.status == "RUNNING"  # nothing in a SIGKILLed process can end its run
+    tracking.open_run("convert", "tiny", "next").end()  # the next run in the experiment reaps it
+    runs = {r.info.run_name: r for r in _all(store)}
+    assert runs["kill -9"].info.status == "KILLED"
+    assert f"process {nine.pid}" in runs["kill -9"].data.tags["quantkit.error"]
+    assert runs["next"].info.status == "FINISHED"
+
+
+def _all(store, model="tiny"):
+    return store.search_runs([store.get_experiment_by_name(f"quantkit/{model}").experiment_id])
+
+
+def test_a_failed_eval_leaves_a_failed_run_with_the_reason(store, tmp_path, tiny_llama):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = CliRunner().invoke(app, ["eval", "--candidate-url", f"http://127.0.0.1:{port}/v1", "--no-baseline",
+                                   "--baseline", str(tiny_llama), "--suite", "smoke", "-o", str(tmp_path / "ev")])
+    assert res.exit_code not in (0, 1), res.output
+    (run,) = _all(store, tiny_llama.name)  # no server answers at that port
+    assert run.info.status == "FAILED" and run.data.tags["quantkit.kind"] == "eval"
+    assert str(port) in run.data.tags["quantkit.error"] or "127.0.0.1" in run.data.tags["quantkit.error"]
