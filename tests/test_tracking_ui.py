@@ -49,14 +49,31 @@ def tracked_demo(tmp_path_factory):
     home.mkdir()
     (home / "models").symlink_to(_demo_dir().parent)
     env = {**os.environ, "QUANTKIT_TRACKING_URI": store, "QUANTKIT_NO_TRACK": "0", "QUANTKIT_HOME": str(home)}
+    import yaml
+
+    # this tests the pages, not W8A8 on a loaded 2-core CI machine with the smoke suite's 8 items per task: every
+    # noisy default gets a lax gate of its own (a recipe's gate replaces the default on its metric; the integrity
+    # gates and failed requests == 0 stay), and the smoke suite's two perplexity windows give no interval for the
+    # anomaly gate, so publish's decision does not depend on the machine's mood
+    recipe = yaml.safe_load((REPO / "recipes" / "smollm2-w8a8-rtn.yaml").read_text())
+    recipe["model"]["path"] = str(_demo_dir())
+    recipe["accept_anomalies"] = True
+    recipe["gates"] = [{"metric": m, "op": op, "threshold": t, "relative": rel} for m, op, t, rel in (
+        ("speed.decode_tpot_ms_p50", "<=", 4.0, True), ("speed.peak_output_tok_s", ">=", 0.25, True),
+        ("cost.machine_s_per_k_successful_tasks", "<=", 4.0, True), ("memory.engine_bytes", "<=", 2.0, True),
+        ("memory.weight_bytes", "<=", 0.9, True), ("quality.perplexity", "<=", 1.2, True),
+        ("quality.top1_agreement", ">=", 0.6, False), ("tasks.mean_acc", ">=", 0.5, True),
+        ("tasks.*.*", ">=", 0.25, True), ("tools.baseline_agreement", ">=", 0.25, False),
+        ("safety.flip_rate", "<=", 0.5, False), ("generation.degenerate_excess", "<=", 0.5, False))]
+    (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     arts = {}
     for name, extra in (("w8a8", []), ("w8a8-keep-down", ["--set", "stages.0.ignore=[lm_head, 're:.*down_proj']"])):
         arts[name] = work / name
-        _cli(env, "convert", "recipes/smollm2-w8a8-rtn.yaml", "-o", str(arts[name]), "-q",
-             "--set", f"model.path={_demo_dir()}", "--set", f"name=smollm2-{name}", *extra)
+        _cli(env, "convert", str(work / "recipe.yaml"), "-o", str(arts[name]), "-q", "--set", f"name=smollm2-{name}",
+             *extra)
         _cli(env, "eval", str(arts[name]), "--suite", "smoke")
         _cli(env, "gate", str(arts[name]), ok=(0, 1))
-    _cli(env, "publish", str(arts["w8a8"]), "--registry", store, "--name", "smollm2-ui-test", ok=(0, 2))
+    _cli(env, "publish", str(arts["w8a8"]), "--registry", store, "--name", "smollm2-ui-test")
     from mlflow import MlflowClient
 
     return {"env": env, "store": store, "client": MlflowClient(tracking_uri=store), "arts": arts}
@@ -122,7 +139,7 @@ def test_the_registered_version_shows_its_source_run_and_lineage(tracked_demo, u
     assert mv.tags["quantkit.eval_run"] == evals[0].info.run_id
     dom = _render(f"{ui}/#/models/smollm2-ui-test/versions/{mv.version}", "model-version.png")
     assert mv.run_id in dom and evals[0].info.run_id in dom  # the source run, and the eval run in the tags
-    out = _cli(tracked_demo["env"], "registry", "show", "smollm2-ui-test", mv.version, "--registry",
+    out = _cli(tracked_demo["env"], "registry", "show", "smollm2-ui-test", str(mv.version), "--registry",
                tracked_demo["store"])
     assert f"eval run       {evals[0].info.run_id}" in out and "FINISHED" in out
 
