@@ -307,20 +307,12 @@ class _FakeOpenAI:
         import http.server
         import threading
 
+        from _fake_openai import JSONHandler
+
         outer = self
         self.requests = 0
 
-        class H(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, body, ctype="application/json"):
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class H(JSONHandler):
             def do_GET(self):
                 if self.path == "/v1/models":
                     self._send(200, json.dumps({"data": [{"id": "fake"}]}).encode())

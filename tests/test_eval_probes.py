@@ -1,6 +1,6 @@
-"""The eval's orchestration end to end on a stand-in engine (benchmarks/report_schema_check.py's deterministic
-OpenAI server and lm-eval): every probe runs on each side, a serving variant runs the serving probes only,
-the baseline cache is reused, and a failed probe makes the report incomplete (fail closed)."""
+"""The eval's orchestration end to end on a stand-in engine (tests/_fake_openai.py: a deterministic OpenAI
+server and lm-eval): every probe runs on each side, a serving variant runs the serving probes only, the
+baseline cache is reused, and a failed probe makes the report incomplete (fail closed)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+import _fake_openai as S
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import report_schema_check as S  # noqa: E402
 
 
 @pytest.fixture(scope="module")
