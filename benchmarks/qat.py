@@ -73,7 +73,7 @@ def recovery(args) -> None:
     from quantkit import api
     from quantkit.evaluate.hf_perplexity import load_for_perplexity, perplexity, window_nll
     from quantkit.hardware import hardware
-    from quantkit.qat import split_windows
+    from quantkit.quantize.qat_loop import split_windows
     from quantkit.recipe import load_recipe
 
     os.chdir(REPO)  # the shipped recipes name calibration/ relative to the repository root
@@ -132,7 +132,7 @@ def step_time(args) -> None:
     import torch
     import yaml
 
-    from quantkit import qat
+    from quantkit.quantize import qat_loop as qat
     from quantkit.algorithms.qat import QATLinear, QATStage
     from quantkit.algorithms.rtn import rtn
     from quantkit.hardware import compute_dtype, hardware

@@ -50,7 +50,7 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
 
     `preflight`: engine (load a small model in the recipe's formats in vLLM first), capability (only the
     format rules and the capability check) or off; None: QUANTKIT_PREFLIGHT, else engine
-    (quantkit/engine/preflight.py). It runs before any calibration.
+    (quantkit/preflight.py). It runs before any calibration.
 
     `on_weight`, when given, is called with every quantized module's dequantized weight and every float
     tensor a transform or QAT rewrote, by parameter name (a public hook for tools that compare the export
@@ -75,10 +75,10 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
 
 def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on_weight, t_start: float,
                     placed: tuple, ranks: Ranks, preflight: str | None = None) -> Path:
-    from quantkit import qat as qat_stage
+    from quantkit.quantize import qat_loop as qat_stage
     from quantkit.data import build_calibration_set
-    from quantkit.engine.preflight import default_mode
-    from quantkit.engine.preflight import preflight as run_preflight
+    from quantkit.preflight import default_mode
+    from quantkit.preflight import preflight as run_preflight
     from quantkit.export.artifact import compress_results, write_artifact
     from quantkit.model.arch import arch_for
     from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
@@ -98,7 +98,7 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
     arch = arch_for(model.config)
     plan = make_plan(model, arch, recipe)
-    # will the engine load what this produces? asked before any calibration (quantkit/engine/preflight.py)
+    # will the engine load what this produces? asked before any calibration (quantkit/preflight.py)
     checked = (run_preflight(recipe, model_dir, plan, arch, preflight or default_mode(),
                              "cuda" if device.type == "cuda" else "cpu", _say(quiet)) if ranks.root else None)
     calib = build_calibration_set(recipe.calibration, tok) if recipe.calibration else None

@@ -16,13 +16,13 @@ target's `method`, so nothing downstream guesses.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from quantkit.model.arch import ArchSpec
 from quantkit.model.moe import is_moe_layer
+from quantkit.patterns import exact_targets, matches_pattern
 from quantkit.recipe import Recipe
 from quantkit.schemes import Scheme, get_scheme
 
@@ -31,17 +31,6 @@ QAT_START = "rtn"  # how a module that only a qat stage claims gets its starting
 
 class ConvertError(RuntimeError):
     """A conversion problem, phrased for the user (the stage or module, and the fix)."""
-
-
-def matches_pattern(patterns: list[str], name: str, cls_name: str) -> bool:
-    """A module matches a `targets`/`ignore` entry by full name, by class name, or by `re:<regex>` on its name."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif p == name or p == cls_name:
-            return True
-    return False
 
 
 def _claims(stage, name: str, cls_name: str) -> bool:
@@ -224,14 +213,3 @@ def plan_smoothing(arch: ArchSpec, recipe: Recipe, prefix: str, quantized: dict[
             claimed.add(prev)
             out.append(Smoothing(si, prev, [quantized[n] for n in names], float(arch.extra.get("norm_offset", 0.0))))
     return out
-
-
-def exact_targets(names: list[str]) -> list[str]:
-    """`model.layers.{0,1}.mlp.down_proj` -> `re:^model\\.layers\\.(?:0|1)\\.mlp\\.down_proj$`."""
-    pattern = re.compile(r"^(.*)\.(\d+)\.(.+)$")
-    grouped: dict[tuple[str, str], list[int]] = {}
-    for n in names:
-        m = pattern.match(n)
-        grouped.setdefault((m.group(1), m.group(3)), []).append(int(m.group(2)))
-    return [f"re:^{re.escape(base)}\\.(?:{'|'.join(str(i) for i in sorted(idx))})\\.{re.escape(suffix)}$"
-            for (base, suffix), idx in sorted(grouped.items())]

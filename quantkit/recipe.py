@@ -17,10 +17,10 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from quantkit.evaluate.names import is_metric_name
-from quantkit.quantize.methods import QUANTIZERS, STAGE_CLASSES
+from quantkit.algorithms.registry import QUANTIZERS, STAGE_CLASSES
 from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES
-from quantkit.stages import Strict
+from quantkit.strict import Strict
 
 
 class RecipeError(ValueError):

@@ -16,7 +16,7 @@ from quantkit import api
 from quantkit.algorithms.awq import awq_clip, awq_search
 from quantkit.algorithms.rtn import rtn
 from quantkit.algorithms.smoothing import block_error, channel_index, reduce_to_channels
-from quantkit.fakequant import fake_quant_model
+from quantkit.export.reader import fake_quant_model
 from quantkit.model import ModelError
 from quantkit.model.arch import ARCHS
 from quantkit.recipe import RecipeError, parse_recipe

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from conftest import REPO, make_tiny_model, tiny_recipe, write_recipe
 from quantkit import api
 from quantkit.cli import app
-from quantkit.fakequant import fake_quant_model
+from quantkit.export.reader import fake_quant_model
 from quantkit.plan import ConvertError
 from quantkit.recipe import parse_recipe
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_recipe, write_recipe
 from quantkit.convert import convert
 from quantkit.engine import EngineError
-from quantkit.engine import preflight as pf
+from quantkit import preflight as pf
 from quantkit.recipe import load_recipe
 
 

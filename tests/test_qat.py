@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_tiny_model, tiny_recipe
 from quantkit import api
-from quantkit import qat as qat_runner
+from quantkit.quantize import qat_loop as qat_runner
 from quantkit.algorithms.qat import QATLinear, fake_quant_activations_ste, latent_init
 from quantkit.algorithms.rtn import fake_quantize_activations, rtn
 from quantkit.recipe import RecipeError, parse_recipe
@@ -248,7 +248,7 @@ def test_early_stop_keeps_the_best_evaluation_not_the_last(peaky_llama, calib_te
 def test_keep_best_tracks_the_lowest_loss_and_min_delta_only_sets_the_patience():
     """A run whose held-out KL keeps falling by less than min_delta: every new low is the kept weights (the
     export is never a worse evaluation than one already seen), while the patience counter runs on."""
-    from quantkit.qat import judge
+    from quantkit.quantize.qat_loop import judge
 
     kls, best, waited, kept, stops = [0.30, 0.20, 0.1995, 0.1992, 0.25, 0.1990], 1e9, 0, [], []
     for step, kl in enumerate(kls):
@@ -269,7 +269,7 @@ def test_w8a8_qat_after_gptq_reloads(peaky_llama, calib_text, tmp_path):
     assert man["qat"]["starts_from"] == ["gptq"] and man["qat"]["loss"] == "ce"
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "int-quantized" and cfg["config_groups"]["group_0"]["input_activations"]["dynamic"]
-    from quantkit.fakequant import fake_quant_model
+    from quantkit.export.reader import fake_quant_model
     from transformers import AutoModelForCausalLM
 
     ref = fake_quant_model(peaky_llama, r, cap)

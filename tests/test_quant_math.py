@@ -168,7 +168,7 @@ def test_typed_result_round_trips_through_the_work_folder_form(name, group, acto
     from safetensors.torch import load_file
 
     from quantkit.plan import ConvertError, LayerPlan, Target
-    from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+    from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
     from quantkit.quantize.workdir import decode_layer, save_typed
 
     scheme = get_scheme(name).with_overrides(group_size=group)

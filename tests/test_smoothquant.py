@@ -14,7 +14,7 @@ from conftest import make_tiny_model, tiny_recipe
 from quantkit import api
 from quantkit.algorithms.smoothing import block_error
 from quantkit.algorithms.smoothquant import smoothquant, smoothquant_scales
-from quantkit.fakequant import fake_quant_model
+from quantkit.export.reader import fake_quant_model
 from quantkit.recipe import RecipeError, parse_recipe
 from quantkit.schemes import get_scheme
 

@@ -39,9 +39,9 @@ from pydantic import Field
 
 from quantkit.algorithms.rtn import _minmax_qparams, dequantize_codes, group_size_for, quantize_codes
 from quantkit.algorithms.smoothing import block_error, normalize_scales, reduce_to_channels
-from quantkit.quantize.contract import ChannelStats, TransformScales
+from quantkit.algorithms.contract import ChannelStats, TransformScales
 from quantkit.schemes import ActivationSpec, WeightSpec
-from quantkit.stages import TransformStage
+from quantkit.algorithms.stage import TransformStage
 
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj)$")  # their errors are amplified by the softmax
 

@@ -35,9 +35,9 @@ from pydantic import Field
 
 from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
                                     quantize_codes)
-from quantkit.quantize.contract import Observations, QuantizedWeight
+from quantkit.algorithms.contract import Observations, QuantizedWeight
 from quantkit.schemes import WeightSpec
-from quantkit.stages import QuantizerStage
+from quantkit.algorithms.stage import QuantizerStage
 
 
 SYRK_MAX_BYTES = 2 ** 31  # the largest Hessian buffer the CPU's triangle-only (ssyrk) update is used for

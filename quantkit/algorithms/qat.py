@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.algorithms.rtn import fake_quantize_activations
 from quantkit.schemes import SCHEMES, ActivationSpec, WeightSpec
-from quantkit.stages import QuantizerStage
+from quantkit.algorithms.stage import QuantizerStage
 
 LATENT_MARGIN = 0.45  # the latent weight stays within +-0.45 of a step of its PTQ code
 
@@ -228,7 +228,7 @@ class EarlyStop(BaseModel):
 
 
 class QATStage(QuantizerStage):
-    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/qat.py.
+    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/quantize/qat_loop.py.
 
     Must be the last stage. It fine-tunes every module the stages before it quantized (keeping their
     schemes, starting from their result); modules only it targets start from round-to-nearest.

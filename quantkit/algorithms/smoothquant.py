@@ -28,9 +28,9 @@ import torch
 from pydantic import Field
 
 from quantkit.algorithms.smoothing import block_error, reduce_to_channels
-from quantkit.quantize.contract import ChannelStats, TransformScales
+from quantkit.algorithms.contract import ChannelStats, TransformScales
 from quantkit.schemes import ActivationSpec, WeightSpec
-from quantkit.stages import TransformStage
+from quantkit.algorithms.stage import TransformStage
 
 
 @dataclass

@@ -4,7 +4,7 @@ For each decoder layer: load only that layer from the safetensors files, run the
 batch through it once with a pre-hook on the first Linear of every sequential group (q/k/v -> o ->
 gate/up -> down). When the hook fires it has the group's real input (already shaped by the quantized
 groups before it), quantizes the group's weights on the spot through the registered method
-(quantkit/quantize/methods.py) and lets the forward go on with them, so one forward per layer
+(quantkit/algorithms/registry.py) and lets the forward go on with them, so one forward per layer
 observes, quantizes (true-sequential) and produces the next layer's input. The layer's results
 (typed `ModuleResult`s) and the next layer's input are then saved in the work folder, which is the
 resume point; the layer goes back to the meta device.
@@ -33,9 +33,9 @@ from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
-from quantkit.quantize.contract import ModuleResult, Observations, QuantizedWeight
+from quantkit.algorithms.contract import ModuleResult, Observations, QuantizedWeight
 from quantkit.quantize.kvcache import KVObserver
-from quantkit.quantize.methods import QUANTIZERS
+from quantkit.algorithms.registry import QUANTIZERS
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.quantize.workdir import WorkDir
 from quantkit.recipe import Recipe

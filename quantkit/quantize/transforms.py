@@ -1,6 +1,6 @@
 """Transform stages (AWQ, SmoothQuant, any registered TransformMethod) inside the layer pipeline: per
 decoder layer, one float forward captures the inputs of every planned smoothing mapping, the method
-chooses the scales (quantkit/quantize/methods.py -> algorithms/<method>.py), and the scales are folded
+chooses the scales (quantkit/algorithms/registry.py -> algorithms/<method>.py), and the scales are folded
 into the preceding norm or Linear (algorithms/smoothing.py), which leaves the float output unchanged.
 
 The quantizing forward of the pipeline then runs on the transformed layer. The folded float tensors
@@ -21,8 +21,8 @@ from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, 
 from quantkit.model import ModelError
 from quantkit.model.checkpoint import to_layer_device
 from quantkit.plan import Smoothing
-from quantkit.quantize.contract import ChannelStats
-from quantkit.quantize.methods import TRANSFORMS
+from quantkit.algorithms.contract import ChannelStats
+from quantkit.algorithms.registry import TRANSFORMS
 
 
 class _Capture:

@@ -43,7 +43,7 @@ from quantkit.data import DataError, pack_windows, read_documents
 from quantkit.io import atomic_write_json
 from quantkit.algorithms.qat import QATStage
 from quantkit.plan import Plan
-from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
 from quantkit.quantize.workdir import decode_layer, save_typed, split_layer
 from quantkit.recipe import CalibrationSpec, Recipe
 

@@ -2,7 +2,7 @@
 
 A method lives in one file, quantkit/algorithms/<method>.py: its recipe stage config (a pydantic model
 with `method: Literal["<name>"]`), its math, and the function the contract asks for
-(quantkit/quantize/contract.py). This file adds it to the table; the recipe's `stages` schema, the plan
+(quantkit/algorithms/contract.py). This file adds it to the table; the recipe's `stages` schema, the plan
 and the pipeline read the table, so adding a method touches exactly two files: its own and this one.
 
 - A quantizer owns modules and produces their codes: `quantize(weights, observations, spec, stage,
@@ -10,7 +10,7 @@ and the pipeline read the table, so adding a method touches exactly two files: i
   the group inputs' Hessian) or "nothing".
 - A transform rescales a smoothing mapping without changing the float output: `choose_scales(...)`, and
   optionally `refine(...)` on the folded weights.
-- A fine-tune stage (QAT) trains what the stages before it produced; its loop is quantkit/qat.py.
+- A fine-tune stage (QAT) trains what the stages before it produced; its loop is quantkit/quantize/qat_loop.py.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Callable
 
 from quantkit.io import atomic_write_json, quantkit_home
-from quantkit.plan import ConvertError, Plan, exact_targets
+from quantkit.patterns import exact_targets
+from quantkit.plan import ConvertError, Plan
 
 log = logging.getLogger("quantkit")
 MODES = ("engine", "capability", "off")

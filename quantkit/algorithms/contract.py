@@ -3,7 +3,7 @@ pass between stages as dataclasses, never as dicts of dicts or tuples.
 
 A quantizer turns `(weights of one sequential group owned by one stage, Observations, WeightSpec, stage
 config, scale dtype)` into one `QuantizedWeight` per module. It declares what it needs in its registry
-entry (quantkit/quantize/methods.py): a Hessian of the group's inputs, or nothing.
+entry (quantkit/algorithms/registry.py): a Hessian of the group's inputs, or nothing.
 
 A transform turns the captured statistics of one smoothing mapping (`ChannelStats`) and the weights it
 feeds into `TransformScales`; the pipeline folds them into the preceding op, which leaves the float
