@@ -147,8 +147,7 @@ def step_time(args) -> None:
                      "gradient_checkpointing": args.gradient_checkpointing,
                      **({"teacher_topk": args.teacher_topk} if args.teacher_topk is not None else {})})
     spec = get_scheme("W4A16").with_overrides(group_size=args.group_size).weights
-    model = qat.load_float(Path(args.model), load_recipe(REPO / "recipes" / "smollm2-w4a16-gptq-qat.yaml",
-                                                         [f"model.path={args.model}"]))
+    model = qat.load_float(Path(args.model))
     modules = {}
     for name, lin in list(model.named_modules()):
         if isinstance(lin, torch.nn.Linear) and not name.endswith("lm_head"):

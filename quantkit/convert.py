@@ -85,7 +85,6 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
     from quantkit.model.integrity import verify_model_folder
     from quantkit.model.sources import load_tokenizer, model_description, resolve_model_dir
     from quantkit.plan import make_plan
-    from quantkit.quantize.kvcache import attention_path
     from quantkit.quantize.layers import Job, process_layers
     from quantkit.quantize.workdir import WorkDir
 
@@ -127,15 +126,17 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
             if ranks.world > 1:
                 log.info("%d processes: calibration chunks and solves split across ranks", ranks.world)
                 share([torch.tensor([start])], 0, ranks)  # the others resume where rank 0 does
-            job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
-                      ranks=ranks, kv_attention=attention_path(arch))
+            job = Job(plan, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
+                      ranks=ranks)
             process_layers(model, arch, source, plan, job, work, start, calib.input_ids if calib else None, device, quiet)
             leave()  # the other ranks are done: QAT and the export are rank 0's
 
             n_layers = len(plan.layers)
             typed, qat = work.layer_files(n_layers), None
-            if recipe.stages[-1].method == "qat":  # fine-tune the PTQ result; its typed results replace the layer files
-                qat = qat_stage.run(recipe, model_dir, tok, plan, typed, work.root / "qat", device, quiet, on_weight)
+            if plan.finetune is not None:  # fine-tune the PTQ result; its typed results replace the layer files
+                run = qat_stage.FinetuneRun(plan, model_dir, tok, recipe.model.trust_remote_code, job.scale_dtype,
+                                            device, quiet, on_weight)
+                qat = qat_stage.run(run, typed, work.root / "qat")
                 typed = qat.files
             export_dir, compressed = partial / "export", partial / "compressed"
             for d in (export_dir, compressed):
@@ -169,13 +170,12 @@ def _convert_locked(recipe: Recipe, output: Path, restart: bool, quiet: bool, on
 def _convert_rank(recipe: Recipe, model, arch, plan, source, calib, partial: Path, compute: str, device, ranks: Ranks,
                   on_weight) -> Path:
     """A rank other than 0: its share of the layer pipeline (rank 0 locks, writes and exports)."""
-    from quantkit.quantize.kvcache import attention_path
     from quantkit.quantize.layers import Job, process_layers
     from quantkit.quantize.workdir import WorkDir
 
     start = int(share(None, 0, ranks)[0].item())
-    job = Job(recipe, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
-              ranks=ranks, kv_attention=attention_path(arch))
+    job = Job(plan, getattr(torch, recipe.model.dtype), compute=getattr(torch, compute), on_weight=on_weight,
+              ranks=ranks)
     process_layers(model, arch, source, plan, job, WorkDir(partial / "work"), start,
                    calib.input_ids if calib else None, device, quiet=True)
     leave()
@@ -204,7 +204,7 @@ def disk_needed(plan, source, recipe: Recipe, calib_shape, config) -> int:
     replaced = {t + ".weight" for t in plan.targets}
     kept = stored_bytes(source, replaced)
     hidden = 2 * 4 * calib_shape[0] * calib_shape[1] * config.hidden_size if calib_shape is not None else 0
-    qat = quantized * (12 + 1) if recipe.stages[-1].method == "qat" else 0
+    qat = quantized * (12 + 1) if plan.finetune is not None else 0
     return int(1.1 * (quantized + hidden + 2 * packed + kept + qat)) + (16 << 20)  # 10% and 16 MB for the rest
 
 

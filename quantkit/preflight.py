@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from quantkit.algorithms.registry import method_of
 from quantkit.io import atomic_write_json, quantkit_home
 from quantkit.patterns import exact_targets
 from quantkit.plan import ConvertError, Plan
@@ -64,10 +65,10 @@ def fused_group_problems(plan: Plan, arch, recipe) -> list[str]:
             if len(stages) > 1:
                 if lp.moe is not None and group[0].startswith(lp.moe + ".experts."):
                     kinds = sorted({"not quantized" if owner.get(n) is None else
-                                    f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}" for n in names})
+                                    f"stages[{owner[n].index}] {owner[n].config.scheme}" for n in names})
                     problems.append(f"{lp.prefix}{lp.moe} (its experts: {', '.join(kinds)})")
                     continue
-                what = ", ".join(f"{n.rsplit('.', 1)[1]}: " + (f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}"
+                what = ", ".join(f"{n.rsplit('.', 1)[1]}: " + (f"stages[{owner[n].index}] {owner[n].config.scheme}"
                                                                  if n in owner else "not quantized") for n in names)
                 problems.append(f"{lp.prefix.rstrip('.')} ({what})")
     return problems
@@ -89,7 +90,7 @@ def layer_layouts(plan: Plan) -> list[dict[str, int]]:
     """The distinct per-layer layouts (local module name -> owning stage), in first-seen order."""
     seen: list[dict[str, int]] = []
     for lp in plan.layers:
-        lay = {t.name[len(lp.prefix):]: t.stage for t in lp.targets}
+        lay = {t.name[len(lp.prefix):]: t.stage.index for t in lp.targets}
         if lay not in seen:
             seen.append(lay)
     return seen
@@ -100,7 +101,7 @@ def small_recipe(recipe, model_dir: Path, layouts: list[dict[str, int]], layers_
     the exact modules of the small model's layers that carry it."""
     stages = []
     for si, st in enumerate(recipe.stages):
-        if st.is_transform or st.method == "qat":
+        if method_of(st).role != "quantizer":  # the small model checks formats: a fine-tune changes none
             continue
         names = [f"{layers_path}.{j}.{local}" for j, lay in enumerate(layouts) for local, s in lay.items() if s == si]
         if not names:
@@ -150,7 +151,7 @@ def format_signature(recipe, layouts: list[dict[str, int]], config: dict) -> dic
 
     schemes = {}
     for si, st in enumerate(recipe.stages):
-        if not st.is_transform and st.method != "qat":
+        if method_of(st).role == "quantizer":
             s = stage_scheme(recipe, si)
             schemes[si] = {"scheme": s.name, "weights": vars(s.weights), "acts": s.activations is not None,
                            "format": s.format}

@@ -37,7 +37,7 @@ def transform_float_model(model_dir, calib_dir, stages):
     ids = calibration_ids(recipe, model_dir)
     hidden, kwargs_by_size = capture_layer_inputs(build_skeleton(model_dir, "float32"), arch, LazyCheckpoint(model_dir),
                                                   ids, torch.float32, ids.shape[0])
-    job = Job(recipe, torch.bfloat16)
+    job = Job(plan, torch.bfloat16)
     stats: dict = {}
     for i, lp in enumerate(plan.layers):  # the float layer input is the same before and after transforms
         kwargs = kwargs_by_size[ids.shape[0]][i]

@@ -273,3 +273,8 @@ class QATStage(QuantizerStage):
     @property
     def needs_calibration(self) -> bool:
         return True  # the training text comes from the calibration sources
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.warmup_steps >= self.steps:
+            return [("warmup_steps", f"{self.warmup_steps} must be below steps ({self.steps})")]
+        return []

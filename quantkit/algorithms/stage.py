@@ -36,6 +36,10 @@ class Targeted(Strict):
                     raise ValueError(f"{p!r} is not a valid regular expression ({exc})") from None
         return v
 
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, problem) pairs that involve several fields; the recipe reports them as stages[i].<field>."""
+        return []
+
 
 class QuantizerStage(Targeted):
     """A stage that owns modules and says what to produce: a scheme, optionally overridden."""

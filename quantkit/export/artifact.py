@@ -70,9 +70,9 @@ def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, pr
     replaced = {m + ".weight" for m in stats} | {r.name for r in produced_refs}
     kept = refs_from_checkpoint(source, [k for k in source.keys() if k not in replaced])
     write_shards(export_dir, kept + produced_refs, max_shard_bytes)
-    recipe = manifest_facts["recipe"]
+    kv_spec = plan.kv_cache.spec if plan.kv_cache is not None else None
     write_config(model_dir / "config.json", export_dir,
-                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(recipe.kv_cache)))
+                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(kv_spec)))
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, export_dir / name)

@@ -58,15 +58,6 @@ def kv_cache_args(spec):
                             symmetric=True)
 
 
-def attention_path(arch) -> str:
-    """The attention module of a decoder layer (local name): the parent of the architecture's k_proj."""
-    for group in arch.sequential:
-        for local in group:
-            if local.endswith(".k_proj"):
-                return local.rsplit(".", 1)[0]
-    raise ValueError(f"architecture {arch.name!r} names no k_proj; its KV cache cannot be calibrated")
-
-
 def scale_names(prefix: str, attention: str) -> tuple[str, str]:
     """('model.layers.3.self_attn.k_scale', '...v_scale'): the checkpoint names vLLM maps to attn.k_scale."""
     return f"{prefix}{attention}.k_scale", f"{prefix}{attention}.v_scale"

@@ -35,10 +35,9 @@ from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_l
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
 from quantkit.algorithms.contract import ModuleResult, Observations, QuantizedWeight
 from quantkit.quantize.kvcache import KVObserver
-from quantkit.algorithms.registry import QUANTIZERS
+from quantkit.algorithms.registry import QuantizerMethod
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.quantize.workdir import WorkDir
-from quantkit.recipe import Recipe
 
 log = logging.getLogger("quantkit")
 SQNR_TOKENS = 4096  # calibration tokens for the output SQNR of stages without a Hessian (RTN)
@@ -52,7 +51,7 @@ class _StopForward(Exception):
 class Job:
     """What every layer of one conversion shares."""
 
-    recipe: Recipe
+    plan: Plan  # what to do (stages, policies); the pipeline never reads the recipe
     scale_dtype: torch.dtype  # the dtype scales (and rewritten float tensors) are stored in
     # the calibration forward's dtype (quantkit.hardware.compute_dtype): the layer's weights and the
     # activations are held in it; Hessians, GPTQ and AWQ's search convert to fp32 and solve there
@@ -63,8 +62,6 @@ class Job:
     on_weight: Callable[[str, torch.Tensor], None] | None = None
     # this process's place when the calibration is split across processes (quantkit/distributed.py)
     ranks: Ranks = SINGLE
-    # the decoder layer's attention module (local name) whose k/v a recipe's kv_cache calibrates
-    kv_attention: str = "self_attn"
 
 
 # ------------------------------------------------------------------------------------------ layer work
@@ -108,21 +105,21 @@ class GroupInputs:
 
 
 def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], job: Job,
-                   obs: Observations | None, method_name: str | None = None) -> list[ModuleResult]:
+                   obs: Observations | None, fallback: QuantizerMethod | None = None) -> list[ModuleResult]:
     """Quantize one sequential group in place (weights replaced by their dequantized values), each member
-    through its target's registered quantizer (or `method_name`'s: an expert's fallback). `obs`: what the
-    group's calibration inputs taught (None: weights only, no calibration)."""
+    through its target's quantizer (or `fallback`: an expert's). `obs`: what the group's calibration inputs
+    taught (None: weights only, no calibration)."""
     out: list[ModuleResult] = []
     by_stage: dict[int, list[Target]] = {}
     for t in members:
-        by_stage.setdefault(t.stage, []).append(t)
+        by_stage.setdefault(t.stage.index, []).append(t)
     obs = obs or Observations()
     for si, targets in by_stage.items():
-        method = QUANTIZERS[method_name or targets[0].method]
+        method = fallback or targets[0].quantizer
         mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
         if method.needs == "hessian" and obs.hessian is None:
             raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
-        pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, job.recipe.stages[si], job)
+        pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, targets[0].stage.config, job)
         for t, m, q, sec in zip(targets, mods, pieces, seconds):
             w = m.weight.detach().float()
             stats = {"stage": si, "method": method.name, "scheme": t.scheme.name,
@@ -184,7 +181,7 @@ class _ExpertCalibration:
             raise ConvertError(f"{plan.prefix}{plan.moe}: mixture-of-experts layers are calibrated in one process "
                                "for now; run this conversion without --nproc")
         self.layer, self.plan, self.job = layer, plan, job
-        self.cfg = job.recipe.calibration.moe
+        self.cfg = job.plan.calibration.moe
         self.block = layer.get_submodule(plan.moe)
         self.block.observer = RoutingObserver(self.block.num_experts, self.cfg.fallback == "all_tokens")
         self.how: dict[int, str] = {}
@@ -200,8 +197,8 @@ class _ExpertCalibration:
                 obs = Observations(hessian=self.block.observer.all_token_hessian())
                 self.block.observer.all_token_experts.add(expert)
             # down: the chunks already fed it every token (all_token_experts was set at gate/up)
-        elif how == "rtn":
-            method, obs = "rtn", Observations(sample=obs.sample)
+        elif how != "routed":  # the fallback quantizer, on the sample rows for the diagnostic
+            method, obs = self.cfg.fallback_quantizer, Observations(sample=obs.sample)
         results = quantize_group(self.layer, self.plan.prefix, members, self.job, obs, method)
         for r in results:
             r.stats.update({"expert": expert, "expert_tokens": tokens, "expert_calibration": how})
@@ -266,14 +263,14 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
             results += quantize_group(layer, plan.prefix, members, job, None)
         return results, None
 
-    bs = job.recipe.calibration.batch_size
+    bs = job.plan.calibration.batch_size
     layout = layout or ChunkLayout.of(hidden.shape[0], bs, hidden.shape[1])
     pieces = [(h, layer_kwargs[h.shape[0]]) for h in hidden.split(bs)]  # views
     # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
     quantized = {t.name for t in plan.targets}
     smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
                 if plan.smoothing else {})
-    inputs = [GroupInputs(any(QUANTIZERS[t.method].needs == "hessian" for t in members), layout)
+    inputs = [GroupInputs(any(t.quantizer.needs == "hessian" for t in members), layout)
               for members in plan.groups]
     handles = []
     for g, (members, hooked) in enumerate(zip(plan.groups, plan.group_inputs)):
@@ -295,8 +292,9 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, hidden: torch.Tensor 
     grad = torch.is_grad_enabled()
     torch.set_grad_enabled(False)  # for the chunks too: they run on this thread
     # recipe kv_cache: k/v scales from the keys and values these (quantized-model) chunks feed attention
-    kv = (KVObserver.install(layer, plan.prefix, job.kv_attention, job.recipe.kv_cache.strategy, layout)
-          if job.recipe.kv_cache is not None else None)
+    kv_policy = job.plan.kv_cache
+    kv = (KVObserver.install(layer, plan.prefix, kv_policy.attention, kv_policy.strategy, layout)
+          if kv_policy is not None else None)
     try:
         for g, members in enumerate(plan.groups):
             for c in chunks:
@@ -397,7 +395,7 @@ def process_layers(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint, plan:
     layers = model.get_submodule(arch.layers)
     hidden, layer_kwargs, layout = None, None, None
     if input_ids is not None:
-        bs = job.recipe.calibration.batch_size
+        bs = job.plan.calibration.batch_size
         layout = ChunkLayout.of(input_ids.shape[0], bs, input_ids.shape[1], job.ranks)
         first, by_size = capture_layer_inputs(model, arch, ckpt, layout.local(input_ids), compute, bs)
         hidden = first if start == 0 else layout.local(work.hidden(start))

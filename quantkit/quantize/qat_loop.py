@@ -31,6 +31,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ from quantkit.algorithms.qat import QATStage
 from quantkit.plan import Plan
 from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
 from quantkit.quantize.workdir import decode_layer, save_typed, split_layer
-from quantkit.recipe import CalibrationSpec, Recipe
+from quantkit.recipe import CalibrationSpec
 
 log = logging.getLogger("quantkit")
 BETAS = (0.9, 0.95)
@@ -54,6 +55,21 @@ MAX_GRAD_NORM = 1.0
 
 class QATError(RuntimeError):
     """A QAT problem, phrased for the user."""
+
+
+@dataclass(frozen=True)
+class FinetuneRun:
+    """What the fine-tune stage takes from the conversion: the plan (its last stage is this one) and where the
+    float model and the training text come from."""
+
+    plan: Plan
+    model_dir: Path
+    tokenizer: object
+    trust_remote_code: bool
+    scale_dtype: torch.dtype  # the checkpoint's dtype: scales and the original weights are kept in it
+    device: torch.device
+    quiet: bool = False
+    on_weight: Callable[[str, torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -99,27 +115,26 @@ def micro_batch(train: list[torch.Tensor], keys: list[tuple[int, int]]) -> torch
 
 
 # ---------------------------------------------------------------------------------------------- model
-def load_float(model_dir: Path, recipe: Recipe) -> nn.Module:
+def load_float(model_dir: Path, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True,
-                                                 trust_remote_code=recipe.model.trust_remote_code)
+                                                 trust_remote_code=trust_remote_code)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
 
 
-def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list[Path],
-                  device: torch.device) -> tuple[nn.Module, dict, "Teacher"]:
+def build_student(run: FinetuneRun, layer_files: list[Path]) -> tuple[nn.Module, dict, "Teacher"]:
     """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result
     (the typed results of the work folder's layer files), and the teacher that computes the float model's
     logits through the same module tree (so only one model is ever in memory: the QATLinears keep their
     original weights in the checkpoint's dtype)."""
-    st: QATStage = recipe.stages[-1]
-    scale_dtype = getattr(torch, recipe.model.dtype)
+    plan, scale_dtype = run.plan, run.scale_dtype
+    st: QATStage = plan.finetune.config
     # after a transform (AWQ, SmoothQuant) the float weight is not the transformed one: start at the codes
-    nudge = not any(getattr(s, "is_transform", False) for s in recipe.stages)
-    model = load_float(model_dir, recipe)
+    nudge = not any(s.role == "transform" for s in plan.stages)
+    model = load_float(run.model_dir, run.trust_remote_code)
     params = dict(model.named_parameters())
     modules: dict[str, QATLinear] = {}
     originals: dict[str, torch.Tensor] = {}  # stored values of the float tensors a transform rewrote
@@ -142,8 +157,8 @@ def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list
                 q.keep_float(lin.weight, originals.get(t.name + ".bias", lin.bias), scale_dtype)
                 model.set_submodule(t.name, q)
                 modules[t.name] = q
-    model.to(device)
-    return model, modules, Teacher(model, modules, {k: v.to(device) for k, v in originals.items()})
+    model.to(run.device)
+    return model, modules, Teacher(model, modules, {k: v.to(run.device) for k, v in originals.items()})
 
 
 class Teacher:
@@ -505,24 +520,25 @@ def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, ro
     return state
 
 
-def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: list[Path], root: Path,
-        device: torch.device, quiet: bool = False, on_weight=None) -> QATResult:
-    """Train the last (qat) stage from the PTQ layer files; write the export tensors into `root`."""
-    st: QATStage = recipe.stages[-1]
+def run(ctx: FinetuneRun, layer_files: list[Path], root: Path) -> QATResult:
+    """Train the plan's fine-tune stage from the PTQ layer files; write the export tensors into `root`."""
+    plan = ctx.plan
+    st: QATStage = plan.finetune.config
     root.mkdir(parents=True, exist_ok=True)
-    train_w, weights, heldout = split_windows(recipe.calibration, tokenizer, st.seq_len, st.holdout_fraction, st.seed)
+    train_w, weights, heldout = split_windows(plan.calibration.spec, ctx.tokenizer, st.seq_len, st.holdout_fraction,
+                                              st.seed)
     heldout = heldout[:st.eval_samples]
     log.info("qat: %d training windows, %d held-out windows of %d tokens",
              sum(len(t) for t in train_w), len(heldout), st.seq_len)
-    student, modules, teacher = build_student(model_dir, recipe, plan, layer_files, device)
-    state = train(student, teacher, modules, st, train_w, weights, heldout, root, quiet)
+    student, modules, teacher = build_student(ctx, layer_files)
+    state = train(student, teacher, modules, st, train_w, weights, heldout, root, ctx.quiet)
 
-    files = write_results(plan, layer_files, modules, root / "layers", on_weight)
+    files = write_results(plan, layer_files, modules, root / "layers", ctx.on_weight)
     plot = plot_losses(state, st, root / "qat_loss.png")
     first, last = state["eval"][0], state["eval"][-1]
     kept = next(e for e in state["eval"] if e["step"] == state["best"]["step"])
     summary = {
-        "starts_from": sorted({t.method for t in plan.targets.values()}),  # the quantizers of the PTQ start
+        "starts_from": sorted({t.quantizer.name for t in plan.targets.values()}),  # the quantizers of the PTQ start
         "steps": st.steps, "loss": st.loss, "scales": st.scales, "lr": st.lr, "warmup_steps": st.warmup_steps,
         "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum, "seed": st.seed,
         "tokens_trained": len(state["train_loss"]) * st.grad_accum * st.batch_size * st.seq_len,

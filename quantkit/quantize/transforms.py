@@ -22,7 +22,6 @@ from quantkit.model import ModelError
 from quantkit.model.checkpoint import to_layer_device
 from quantkit.plan import Smoothing
 from quantkit.algorithms.contract import ChannelStats
-from quantkit.algorithms.registry import TRANSFORMS
 
 
 class _Capture:
@@ -81,14 +80,14 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
 
     `pieces` are this rank's calibration chunks of `layout`, each with the layer's keyword arguments for
     its batch size (default: they are the whole batch); `job` is the conversion's
-    quantkit.quantize.layers.Job (recipe, scale dtype, hook).
+    quantkit.quantize.layers.Job (plan, scale dtype, hook).
     """
     layout = layout or ChunkLayout(tuple(h.shape[0] for h, _ in pieces), pieces[0][0].shape[1])
     caps: dict[int, _Capture] = {}
     prev_out: dict[int, _Capture] = {}
     handles = []
     for k, sm in enumerate(smoothings):
-        st = job.recipe.stages[sm.stage]
+        st = sm.stage.config
         caps[k] = _Capture(st.max_tokens, layout)
         first = layer.get_submodule(sm.targets[0].name[len(prefix):])
         handles.append(first.register_forward_pre_hook(lambda _m, args, c=caps[k]: c.add(args[0])))
@@ -123,10 +122,9 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
 
 def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capture | None,
                quantized_names) -> tuple[dict, dict[str, torch.Tensor]]:
-    st = job.recipe.stages[sm.stage]
-    method = TRANSFORMS[st.method]
+    st, method = sm.stage.config, sm.stage.method
     scale_dtype = job.scale_dtype
-    stats: dict = {"transform": st.method, "stage": sm.stage, "from": sm.prev}
+    stats: dict = {"transform": method.name, "stage": sm.stage.index, "from": sm.prev}
     prev = layer.get_submodule(sm.prev)
     mods = [layer.get_submodule(t.name[len(prefix):]) for t in sm.targets]
     is_linear = isinstance(prev, nn.Linear)
