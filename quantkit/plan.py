@@ -25,7 +25,7 @@ from torch import nn
 from quantkit.algorithms.registry import METHODS, QUANTIZERS, Method, QuantizerMethod, method_of
 from quantkit.model.arch import ArchSpec
 from quantkit.model.moe import is_moe_layer
-from quantkit.patterns import exact_targets, matches_pattern
+from quantkit.targets import exact_targets, matches_pattern
 from quantkit.recipe import CalibrationSpec, KVCacheSpec, Recipe
 from quantkit.schemes import Scheme, get_scheme
 

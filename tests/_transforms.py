@@ -10,7 +10,8 @@ from conftest import tiny_recipe
 from quantkit.model.arch import arch_for
 from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
 from quantkit.plan import make_plan
-from quantkit.quantize.layers import Job, capture_layer_inputs
+from quantkit.quantize.layers import Job
+from quantkit.quantize.walk import capture_layer_inputs
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.recipe import parse_recipe
 

@@ -291,7 +291,8 @@ def test_attention_observer_leaves_the_forward_unchanged(tmp_path):
     with torch.no_grad():
         want = m(ids).logits
     layer = m.model.layers[0]
-    obs = KVObserver.install(layer, "model.layers.0.", "self_attn", "head", ChunkLayout.of(2, 2, 16))
+    obs = KVObserver("model.layers.0.", "self_attn", "head", ChunkLayout.of(2, 2, 16))
+    obs.install(layer)
     try:
         assert m.config._attn_implementation == KV_ATTENTION
         with torch.no_grad():

@@ -11,7 +11,7 @@ and this one.
   the group inputs' Hessian) or "nothing".
 - A transform rescales a smoothing mapping without changing the float output: `choose_scales(...)`, and
   optionally `refine(...)` on the folded weights.
-- A fine-tune stage trains what the stages before it produced; its loop is quantkit/quantize/qat_loop.py.
+- A fine-tune stage trains what the stages before it produced; its loop is quantkit/quantize/finetune.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class QuantizerMethod(Method):
 @dataclass(frozen=True, kw_only=True)
 class TransformMethod(Method):
     role: ClassVar[str] = "transform"
-    choose_scales: Callable  # (ChannelStats, weights, specs, acts, idx, channels, stage, scale_dtype) -> TransformScales
+    choose_scales: Callable  # (ChannelStats, MappingTargets, stage, scale_dtype) -> TransformScales
     refine: Callable | None = None  # (scaled inputs, [(name, weight, spec)], stage, scale_dtype) -> (weights, stats)
     needs_quantized_activations: bool = False  # only useful before a scheme that quantizes activations
 

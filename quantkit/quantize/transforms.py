@@ -21,7 +21,7 @@ from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, 
 from quantkit.model import ModelError
 from quantkit.model.checkpoint import to_layer_device
 from quantkit.plan import Smoothing
-from quantkit.algorithms.contract import ChannelStats
+from quantkit.algorithms.contract import ChannelStats, MappingTargets
 
 
 class _Capture:
@@ -127,8 +127,7 @@ def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capt
     stats: dict = {"transform": method.name, "stage": sm.stage.index, "from": sm.prev}
     prev = layer.get_submodule(sm.prev)
     mods = [layer.get_submodule(t.name[len(prefix):]) for t in sm.targets]
-    is_linear = isinstance(prev, nn.Linear)
-    channels = prev.out_features if is_linear else prev.weight.numel()
+    channels = prev.out_features if isinstance(prev, nn.Linear) else prev.weight.numel()
     parent = layer.get_submodule(sm.targets[0].name[len(prefix):].rpartition(".")[0] or "")
     idx = channel_index(channels, mods[0].in_features, getattr(parent, "head_dim", None))
     if idx is None:
@@ -141,34 +140,16 @@ def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capt
             raise ModelError(f"{prefix}{sm.prev}: the architecture spec says its output feeds "
                              f"{', '.join(t.name for t in sm.targets)}, but their input differs; fix the "
                              "smoothing mappings of this model family in quantkit/model/arch.py")
-    weights = [m.weight.detach().float() for m in mods]
-    specs = [t.scheme.weights for t in sm.targets]
-    acts = [t.scheme.activations for t in sm.targets]
-    r = method.choose_scales(cap.stats(), weights, specs, acts, idx, channels, st, scale_dtype)
-    s, applied = r.scales, r.applied
+    targets = MappingTargets([m.weight.detach().float() for m in mods], [t.scheme.weights for t in sm.targets],
+                             [t.scheme.activations for t in sm.targets], idx, channels)
+    r = method.choose_scales(cap.stats(), targets, st, scale_dtype)
     stats.update(r.stats)
     stats.update(error_before=float(f"{r.error_before:.6g}"), error_after=float(f"{r.error_after:.6g}"))
-
     tensors: dict[str, torch.Tensor] = {}
     s_eff = torch.ones(channels)
-    if applied:
-        if is_linear:
-            w, b = fold_into_linear_rows(prev.weight, prev.bias, s)
-            prev.weight.data = w.to(prev.weight.dtype)
-            if prev.bias is not None:
-                prev.bias.data = b.to(scale_dtype).to(prev.bias.dtype)
-                tensors[f"{prefix}{sm.prev}.bias"] = prev.bias.detach().to(scale_dtype).cpu().clone()
-            if f"{prefix}{sm.prev}" not in quantized_names:  # exported as a float weight
-                prev.weight.data = prev.weight.data.to(scale_dtype).to(prev.weight.dtype)
-                tensors[f"{prefix}{sm.prev}.weight"] = prev.weight.detach().to(scale_dtype).cpu().clone()
-            s_eff = s
-        else:
-            new, s_eff = fold_into_norm(prev.weight.detach(), s, sm.norm_offset, scale_dtype)
-            prev.weight.data = new.to(prev.weight.dtype)
-            tensors[f"{prefix}{sm.prev}.weight"] = new.to(scale_dtype).cpu().clone()
-        for m in mods:
-            m.weight.data = scale_columns(m.weight.detach(), s_eff[idx]).to(m.weight.dtype)
-        stats["scale_range"] = [float(f"{float(s.min()):.4g}"), float(f"{float(s.max()):.4g}")]
+    if r.applied:
+        s_eff, tensors = _fold(prefix, sm, prev, mods, r.scales, idx, scale_dtype, quantized_names)
+        stats["scale_range"] = [float(f"{float(r.scales.min()):.4g}"), float(f"{float(r.scales.max()):.4g}")]
     if method.refine is not None:
         xs = x / s_eff[idx][None, :]
         named = [(t.name, m.weight.detach().float(), t.scheme.weights) for t, m in zip(sm.targets, mods)]
@@ -181,3 +162,27 @@ def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capt
         for name, tensor in tensors.items():
             job.on_weight(name, tensor.float().clone())
     return stats, tensors
+
+
+def _fold(prefix: str, sm: Smoothing, prev: nn.Module, mods: list[nn.Module], s: torch.Tensor, idx: torch.Tensor,
+          scale_dtype: torch.dtype, quantized_names) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Fold the scales into the preceding norm or Linear and scale the targets' columns, which leaves the
+    float output unchanged; returns the effective scales and the float tensors the export must write."""
+    tensors: dict[str, torch.Tensor] = {}
+    if isinstance(prev, nn.Linear):
+        w, b = fold_into_linear_rows(prev.weight, prev.bias, s)
+        prev.weight.data = w.to(prev.weight.dtype)
+        if prev.bias is not None:
+            prev.bias.data = b.to(scale_dtype).to(prev.bias.dtype)
+            tensors[f"{prefix}{sm.prev}.bias"] = prev.bias.detach().to(scale_dtype).cpu().clone()
+        if f"{prefix}{sm.prev}" not in quantized_names:  # exported as a float weight
+            prev.weight.data = prev.weight.data.to(scale_dtype).to(prev.weight.dtype)
+            tensors[f"{prefix}{sm.prev}.weight"] = prev.weight.detach().to(scale_dtype).cpu().clone()
+        s_eff = s
+    else:
+        new, s_eff = fold_into_norm(prev.weight.detach(), s, sm.norm_offset, scale_dtype)
+        prev.weight.data = new.to(prev.weight.dtype)
+        tensors[f"{prefix}{sm.prev}.weight"] = new.to(scale_dtype).cpu().clone()
+    for m in mods:
+        m.weight.data = scale_columns(m.weight.detach(), s_eff[idx]).to(m.weight.dtype)
+    return s_eff, tensors
