@@ -66,17 +66,15 @@ def capability(artifacts: list[str | Path] = ()) -> dict:
     return out
 
 
-def sensitivity(recipe: str | Path, budget: str | list[str], output: str | Path | None = None, high: str = "W8A8",
-                validate: int = 16, latency_from: list[str | Path] | None = None,
-                latency_metric: str = "speed.c1.tpot_ms_p50", overrides: list[str] | None = None,
-                device: str = "auto", progress=None) -> dict:
+def sensitivity(recipe: str | Path, budget: str | list[str], output: str | Path | None = None,
+                overrides: list[str] | None = None, options=None, **fields) -> dict:
     """Rank the recipe's fused module groups by sensitivity and write a mixed-precision recipe meeting `budget`
-    (quantkit.tune.sensitivity.run; several budgets must all hold). Default folder: runs/sensitivity/<recipe name>."""
+    (several budgets must all hold). `options`: a quantkit.tune.sensitivity.SensitivityOptions, or its fields by
+    name (high, validate, latency_from, latency_metric, kl_tokens, device, progress). Default folder:
+    runs/sensitivity/<recipe name>."""
     from quantkit.recipe import load_recipe
     from quantkit.tune import sensitivity as sens
 
     r = load_recipe(recipe, overrides or [])
     out = Path(output).expanduser().resolve() if output else (Path("runs") / "sensitivity" / r.name).resolve()
-    return sens.run(r, budget, out, high=high, validate=validate,
-                    latency_from=[Path(p) for p in latency_from] if latency_from else None,
-                    latency_metric=latency_metric, device=device, progress=progress)
+    return sens.run(r, budget, out, options, **fields)

@@ -27,7 +27,7 @@ Defaults (relative = candidate / baseline, measured in the same eval on the same
   machine-seconds per thousand successful tasks ratio <= 1. A quantized artifact that is slower, larger in
   the engine or costlier than its baseline on this machine is not worth serving here;
 - checks: tool-call agreement with the baseline >= 0.75, safety flip rate <= 0.10 (failed requests count
-  against both: quantkit/evaluate/chat_checks.py); generation: no more degenerate greedy
+  against both: quantkit/evaluate/probes/chat.py); generation: no more degenerate greedy
   replies (empty, repetitive or invalid text) than the baseline gives on the same prompts;
 - integrity (always): every module the plan meant to quantize is quantized in the export, no non-finite
   scale or zero point, every MoE expert's calibration recorded; and an anomaly flag: a candidate whose
@@ -49,6 +49,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from quantkit.evaluate.catalogue import family
 from quantkit.evaluate.metrics import fmt_value
 from quantkit.evaluate.report import EVAL_DIR, REPORT_FILE, default_report_path
 from quantkit.evaluate.report import SCHEMA as REPORT_SCHEMA
@@ -118,7 +119,8 @@ def default_gates(schemes: list[str] | str | None) -> dict[str, tuple[GateSpec, 
 
 ANOMALY = _g("quality.perplexity", ">=", 1.0, True, bound="upper",
              name="anomaly: perplexity ratio's 95% interval reaches 1 (not better than the baseline beyond the noise)")
-# always run, whatever the recipe gates: a recipe cannot leave these out (the anomaly row it can accept)
+# metric families (quantkit/evaluate/catalogue.py) always gated, whatever the recipe gates: a recipe cannot leave
+# these out (the anomaly row it can accept)
 INTEGRITY_FAMILIES = ("artifact",)
 
 
@@ -304,8 +306,8 @@ def effective_gates(man: dict) -> tuple[list[GateSpec], str]:
                         "re-convert with a fixed recipe") from None
     gated = {g.metric for g in own}
     schemes = manifest_schemes(man)
-    added = [g for fam, gs in default_gates(schemes).items() for g in gs
-             if (g.metric not in gated or fam in INTEGRITY_FAMILIES) and g not in own]
+    added = [g for gs in default_gates(schemes).values() for g in gs
+             if (g.metric not in gated or family(g.metric) in INTEGRITY_FAMILIES) and g not in own]
     anomaly = [] if recipe.get("accept_anomalies") else [ANOMALY]
     source = (f"recipe ({len(own)}) + defaults for {'+'.join(schemes) or 'an unknown scheme'} "
               f"({len(added) + len(anomaly)})" if own else f"defaults for {'+'.join(schemes) or 'an unknown scheme'}")

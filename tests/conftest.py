@@ -28,6 +28,9 @@ The train left at 09:15 and arrived at 11:40; the ticket cost 23.50 and the trip
 # a minute; it has its own tests). Set for the whole session, so a test's monkeypatch.undo() cannot drop it;
 # subprocesses (the CLI under test) inherit it.
 os.environ.setdefault("QUANTKIT_PREFLIGHT", "capability")
+# no MLflow run per CLI call (each test's fresh store costs seconds of migrations); tests/test_tracking*.py
+# turn it back on where tracking is what they test
+os.environ.setdefault("QUANTKIT_NO_TRACK", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The chat checks' runner (quantkit/evaluate/chat_checks.py) on a loopback chat server, and their place
+"""The chat checks' runner (quantkit/evaluate/probes/chat.py) on a loopback chat server, and their place
 in the metrics table, the intervals, the gate names and report.md. Scoring itself: tests/test_checks.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from quantkit.evaluate import chat_checks as CC
-from quantkit.evaluate import checks as C
+import quantkit.evaluate.probes.chat as CC
+import quantkit.evaluate.check_rules as C
 
 TOOLS = CC.load_items("tools")
 SAFETY = CC.load_items("safety")
@@ -244,7 +244,8 @@ def _sides():
 
 def test_checks_in_metrics_gates_and_report(tmp_path):
     from quantkit.evaluate.metrics import metrics_table
-    from quantkit.evaluate.report import METRIC_PATTERNS, render_markdown, build_report
+    from quantkit.evaluate.catalogue import METRIC_PATTERNS
+    from quantkit.evaluate.report import render_markdown, build_report
     from quantkit.evaluate.suite import load_suite
     from quantkit.gates import evaluate_gate
     from quantkit.recipe import GateSpec

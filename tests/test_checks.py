@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.evaluate.checks import (REFUSAL_RULES, agree, aggregate_safety, aggregate_tools, is_refusal,
+from quantkit.evaluate.check_rules import (REFUSAL_RULES, agree, aggregate_safety, aggregate_tools, is_refusal,
                                       parse_tool_call, refusal_rule, score_tool_call, wilson)
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from _artifacts import GOOD_METRICS, make_artifact, make_report
 from quantkit.evaluate import baseline_cache as BC
 from quantkit.evaluate import confidence as C
 from quantkit.evaluate import quality as Q
-from quantkit.evaluate.checks import wilson
+from quantkit.evaluate.check_rules import wilson
 from quantkit.evaluate.metrics import metrics_table
 from quantkit.evaluate.report import build_report, render_markdown
 from quantkit.evaluate.suite import load_suite
@@ -349,8 +349,9 @@ def test_reused_baseline_from_an_older_cache_entry_gets_its_windows(tmp_path):
 
 
 def test_eval_quality_phase_feeds_the_intervals(tmp_path, monkeypatch):
-    """run.py's quality phase (engine answers faked): both sides' window data reach the metrics table."""
-    from quantkit.evaluate import run as R
+    """The quality probe (engine answers faked): both sides' window data reach the metrics table."""
+    import quantkit.evaluate.probes.quality as P
+    from quantkit.evaluate.probes import QUALITY, RunContext, Served, Side
     from quantkit.recipe import EvalSpec
 
     f = tmp_path / "t.txt"
@@ -375,12 +376,12 @@ def test_eval_quality_phase_feeds_the_intervals(tmp_path, monkeypatch):
 
     spec = EvalSpec(perplexity_files=[str(f)], perplexity_window=16, perplexity_max_tokens=None, logprobs_top_k=2)
     sides = {}
-    base_run = None
+    ctx = RunContext(spec, tmp_path, tok, None, progress=lambda m: None)
     for role, shift in (("baseline", 0.0), ("candidate", 0.05)):
-        monkeypatch.setattr(R, "prompt_logprobs", fake_logprobs(shift))
-        side = R._Side(role, None, None)
-        side.data["quality"] = R._quality(side, spec, Ep(), tok, base_run, lambda m: None)
-        base_run = side.quality if role == "baseline" else base_run
+        monkeypatch.setattr(P, "prompt_logprobs", fake_logprobs(shift))
+        side = Side(role, None, None)
+        side.data["quality"] = QUALITY.run(ctx, side, Served(Ep(), None)).figures
+        ctx.baseline = side if role == "baseline" else ctx.baseline
         sides[role] = side.data
     q = sides["candidate"]["quality"]
     assert q["windows"]["positions"] == [15] * 12 and len(q["divergence"]["windows"]["kl_sum"]) == 12

@@ -241,6 +241,24 @@ def test_cost_formula():
     assert c["usd_per_k_successful_tasks"] == pytest.approx(1000 * 3.6 / 3600 * wall_s / successes)
 
 
+def test_the_catalogue_defines_each_metric_once():
+    import re
+
+    from quantkit.evaluate.catalogue import BOOTSTRAP, CATALOGUE, WILSON, fixed_names, is_metric_name, metric
+
+    patterns = [m.pattern for m in CATALOGUE]
+    assert len(patterns) == len(set(patterns))
+    for m in CATALOGUE:
+        re.compile(m.pattern)
+        assert m.interval in (None, BOOTSTRAP, WILSON) and m.family in {
+            "quality", "tasks", "speed", "memory", "cost", "tools", "safety", "generation", "artifact"}
+    for name in fixed_names():
+        assert is_metric_name(name) and metric(name).pattern == name
+    assert metric("speed.r2.5.ttft_ms_p90").unit == "ms" and metric("tasks.qk_arith.exact_match").interval == WILSON
+    with pytest.raises(KeyError, match="not in the metric catalogue"):
+        metric("quality.nonexistent")
+
+
 def test_metrics_contract_and_report_rendering(tmp_path):
     base = _side(10.0, 0.0, 1.0, 0.8, 50.0, 36.0, 8)
     cand = _side(10.5, 0.02, 0.95, 0.7, 40.0, 48.0, 7)
@@ -254,14 +272,13 @@ def test_metrics_contract_and_report_rendering(tmp_path):
     assert table["quality.perplexity"] == {"baseline": 10.0, "candidate": 10.5, "unit": "ppl", "higher_is_better": False}
     assert table["quality.top1_agreement"]["baseline"] == 1.0 and table["quality.kl_mean"]["baseline"] == 0.0
     assert metrics_table(None, cand, None)["quality.perplexity"]["baseline"] is None
-    # every name the table writes is one a recipe's gate may name (the report owns the families)
-    import re
-
-    from quantkit.evaluate.report import METRIC_PATTERNS
+    # every name the table writes is one a recipe's gate may name, labelled by its catalogue entry
+    from quantkit.evaluate.catalogue import is_metric_name, metric
 
     rated = dict(cand, speed={**cand["speed"], "r2.5": cand["speed"]["c4"]})  # an open-loop level too
-    for name in metrics_table(base, rated, price_per_hour=1.0):
-        assert any(re.fullmatch(p, name) for p in METRIC_PATTERNS), name
+    for name, row in metrics_table(base, rated, price_per_hour=1.0).items():
+        assert is_metric_name(name), name
+        assert (row["unit"], row["higher_is_better"]) == (metric(name).unit, metric(name).higher_is_better), name
 
     context = {"artifact": {"path": "/a", "name": "art", "quantization": {"stages": [{"method": "rtn", "scheme": "W8A8"}],
                                                                           "format": "int-quantized"}},

@@ -177,3 +177,16 @@ def test_recipe_rejects_metric_names_outside_the_report_families():
             "gates": [{"metric": "latency.tpot", "op": "<=", "threshold": 1}]}
     with pytest.raises(RecipeError, match=r"gates\[0\]\.metric"):
         parse_recipe(data, "r.yaml")
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
+def test_default_gates_name_catalogue_metrics_in_their_direction(scheme):
+    """Every default gate names a metric of the catalogue and asks for its better side (the anomaly row, the
+    one exception, asks that the perplexity ratio's interval reaches 1)."""
+    from quantkit.evaluate.catalogue import is_metric_name, metric
+    from quantkit.gates import ANOMALY, default_gates
+
+    for g in [g for gs in default_gates(scheme).values() for g in gs] + [ANOMALY]:
+        assert is_metric_name(g.metric), g.metric
+        if "*" not in g.metric and g is not ANOMALY:
+            assert metric(g.metric).higher_is_better == (g.op in (">=", ">")), g.metric

@@ -15,6 +15,7 @@ from conftest import make_tiny_model, tiny_recipe, write_recipe
 from quantkit.recipe import RecipeError, load_recipe
 from quantkit.schemes import get_scheme
 from quantkit.tune import sensitivity as sens
+from quantkit.tune.sensitivity import runner
 
 FRAGILE = "model.layers.1.mlp.down_proj"
 
@@ -128,7 +129,7 @@ def test_size_budget_keeps_the_fragile_module_and_the_mix_measures_better(measur
 
 def test_a_second_budget_reuses_the_measurement(measured, monkeypatch):
     rp, out, _ = measured
-    monkeypatch.setattr(sens, "measure", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(runner, "measure", lambda *a, **k: pytest.fail("measured again"))
     r = sens.run(load_recipe(rp), "kl=1e-9", out, high="W8A8", validate=8, device="cpu")
     # an unreachable quality budget: every unit kept high and still above it -> not met, said so
     assert not r["choice"]["met"] and len(r["choice"]["kept"]) == 8

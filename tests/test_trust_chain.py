@@ -12,8 +12,8 @@ from _artifacts import GOOD_METRICS, make_artifact, make_report
 from safetensors.torch import load_file, save_file
 
 from quantkit import registry
-from quantkit.evaluate import chat_checks as CC
-from quantkit.evaluate.checks import degenerate
+import quantkit.evaluate.probes.chat as CC
+from quantkit.evaluate.check_rules import degenerate
 from quantkit.evaluate.metrics import side_values
 from quantkit.evaluate.phases import failed_phases
 from quantkit.export.manifest import MANIFEST
@@ -340,9 +340,9 @@ def test_an_incomplete_eval_exits_non_zero_and_is_never_cached(tmp_path, monkeyp
     monkeypatch.setattr(BC, "lookup", lambda key: None)
     monkeypatch.setattr(BC, "store", lambda *a, **k: stored.append(a))
 
-    def measure(side, spec, output, *a, **k):
+    def measure(ctx, side):
         side.data.update(quality={"perplexity": 9.0}, tasks={"tasks": {}},
-                         checks={n: {"records": []} for n in spec.checks},
+                         checks={n: {"records": []} for n in ctx.spec.checks},
                          speed={"c1": {"requests": 2, "failed": 2 if side.role == "baseline" else 0}}, memory={})
         if side.role == "candidate":
             side.data["tasks"] = {"error": "lm-eval exited 1"}
@@ -401,11 +401,11 @@ def test_a_failed_variant_makes_the_report_incomplete(tmp_path, monkeypatch, tin
     monkeypatch.setattr(BC, "lookup", lambda key: None)
     monkeypatch.setattr(BC, "store", lambda *a, **k: None)
 
-    def measure(side, spec, output, *a, extra_args=None, speed_only=False, **k):
-        calls.append((side.role, extra_args, speed_only))
+    def measure(ctx, side):
+        calls.append((side.role, side.extra_args, side.speed_only))
         failed = 2 if side.role.startswith("variant") else 0
         side.data.update(quality={"perplexity": 9.0}, tasks={"tasks": {}},
-                         checks={n: {"records": []} for n in spec.checks},
+                         checks={n: {"records": []} for n in ctx.spec.checks},
                          speed={"c1": {"requests": 2, "failed": failed}}, memory={})
 
     monkeypatch.setattr(R, "_measure", measure)

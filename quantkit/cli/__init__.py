@@ -6,6 +6,7 @@ function a Python user would call), each adding its commands with `register(app)
     evaluate.py  eval
     registry.py  gate, publish, promote, rollback, registry list|show|pull
     tune.py      tune
+    track.py     ui (MLflow's UI on the tracking store)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli import convert, evaluate, registry, tune
+from quantkit.cli import convert, evaluate, registry, track, tune
 from quantkit.cli.common import BoundaryGroup
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=BoundaryGroup,
@@ -25,11 +26,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 @app.callback()
 def _root(ctx: typer.Context,
-          debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure instead of one line.")] = False) -> None:
-    ctx.obj = {"debug": debug}
+          debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure instead of one line.")] = False,
+          track: Annotated[bool, typer.Option("--track/--no-track", help="Log each command as an MLflow run in the "
+                                              "tracking store (QUANTKIT_NO_TRACK=1 also turns it off).")] = True) -> None:
+    ctx.obj = {"debug": debug, "track": None if track else False}
 
 
-for _group in (convert, evaluate, registry, tune):
+for _group in (convert, evaluate, registry, tune, track):
     _group.register(app)
 
 

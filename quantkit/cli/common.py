@@ -13,6 +13,7 @@ traceback through instead.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import sys
@@ -133,11 +134,51 @@ class BoundaryGroup(TyperGroup):
                 code, msg = known
                 typer.echo(f"error: {msg}", err=True)
                 raise typer.Exit(code) from None
-            where = crash_log(exc)
+            where = getattr(exc, "quantkit_crash_log", None) or crash_log(exc)  # a tracked run may have written it
             hint = f"; the traceback is in {where}" if where else ""
             typer.echo(f"error: internal error ({type(exc).__name__}: {exc}){hint}. Rerun with --debug to see it "
                        "here, and please report it.", err=True)
             raise typer.Exit(EXIT_INTERNAL) from None
 
 
-__all__ = ["BoundaryGroup", "EXIT_CHECK_FAILED", "JsonOut", "Quiet", "classify", "fail"]
+def tracking_on(ctx: click.Context | None) -> bool:
+    """`quantkit --no-track ...` or QUANTKIT_NO_TRACK=1 turns run tracking off (quantkit/tracking.py)."""
+    from quantkit import tracking
+
+    root = ctx.find_root() if ctx is not None else None
+    flag = (root.obj or {}).get("track") if root is not None else None
+    return tracking.enabled(None if flag is None else bool(flag))
+
+
+@contextlib.contextmanager
+def tracked(ctx: click.Context | None, kind: str, model: str, name: str, tags: dict | None = None):
+    """An MLflow run around a command, opened before any work (None when tracking is off). It ends FINISHED
+    (a gate that fails is a finished gate run), FAILED with the error line and crash-log path, or KILLED."""
+    if not tracking_on(ctx):
+        yield None
+        return
+    from quantkit import tracking
+
+    run = tracking.open_run(kind, model, name, tags)
+    try:
+        yield run
+    except KeyboardInterrupt:
+        run.end("KILLED", "interrupted")
+        raise
+    except _CLICK_FLOW as exc:
+        code = getattr(exc, "exit_code", 0) or 0
+        run.end("FINISHED" if code in (0, EXIT_CHECK_FAILED) else "FAILED", None if code == 0 else f"exit {code}")
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded, then re-raised to the boundary
+        known = classify(exc)
+        where = None if known else crash_log(exc)
+        if where is not None:
+            exc.quantkit_crash_log = where  # the boundary names this file instead of writing a second one
+        line = known[1] if known else f"internal error ({type(exc).__name__}: {exc})"
+        run.end("FAILED", line.splitlines()[0][:1000] if line else type(exc).__name__, str(where) if where else None)
+        raise
+    else:
+        run.end("FINISHED")
+
+
+__all__ = ["BoundaryGroup", "EXIT_CHECK_FAILED", "JsonOut", "Quiet", "classify", "fail", "tracked", "tracking_on"]

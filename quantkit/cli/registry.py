@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import JsonOut
+from quantkit.cli.common import JsonOut, tracked
 
 Registry = Annotated[Optional[str], typer.Option(
     "--registry", "-r", envvar="QUANTKIT_REGISTRY",
@@ -53,17 +53,24 @@ def _print_version(info, as_json: bool) -> None:
         typer.echo(f"  {k}: {v}")
 
 
-def gate(report: Annotated[Path, typer.Argument(help="report.json, or the artifact / eval folder holding it.")],
+def gate(ctx: typer.Context,
+         report: Annotated[Path, typer.Argument(help="report.json, or the artifact / eval folder holding it.")],
          junit: Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (for CI).")] = None,
          json_out: JsonOut = False) -> None:
     """Check the gates (recipe's, else the scheme's defaults) on an eval report; exit 0 if all pass, else 1."""
-    from quantkit.gates import format_table, run_gates, write_junit
+    from quantkit import tracking
+    from quantkit.gates import format_table, gate_path, resolve_report_path, run_gates, write_junit
 
-    gr = run_gates(report)
-    if junit:
-        write_junit(gr, junit)
-    typer.echo(json.dumps(gr.to_dict(), indent=2) if json_out else format_table(gr))
-    raise typer.Exit(0 if gr.passed else 1)
+    path = resolve_report_path(report)
+    model, name = tracking.subject_of_report(path)
+    with tracked(ctx, "gate", model, f"gate {name}") as run:
+        gr = run_gates(path)
+        if run is not None:
+            tracking.log_gate(run, gr.to_dict(), gate_path(path))
+        if junit:
+            write_junit(gr, junit)
+        typer.echo(json.dumps(gr.to_dict(), indent=2) if json_out else format_table(gr))
+        raise typer.Exit(0 if gr.passed else 1)
 
 
 def publish(artifact: Annotated[Path, typer.Argument(help="An exported artifact folder (eval'd and gated).")],
@@ -102,6 +109,7 @@ def rollback(name: Annotated[str, typer.Argument(help="Registered model name.")]
     _quiet_mlflow()
     info = reg.rollback(name, alias, registry_uri=registry)
     typer.echo(f"{name}@{alias} -> version {info.version} (rolled back)")
+    _print_lineage(info)  # the evidence of the version that serves now
 
 
 registry_app = typer.Typer(no_args_is_help=True, help="Browse and download registered models.")
@@ -132,12 +140,24 @@ def registry_list(name: Annotated[Optional[str], typer.Argument(help="Model name
 def registry_show(name: Annotated[str, typer.Argument(help="Registered model name.")],
                   version: Annotated[str, typer.Argument(help="Version number or alias.")] = "production",
                   registry: Registry = None, json_out: JsonOut = False) -> None:
-    """Show one version: source, aliases, and its tags (base model, scheme, gate summary, key metrics)."""
+    """Show one version: source, aliases, its tags (base model, scheme, gate summary, key metrics) and its lineage
+    (recipe, calibration, convert/eval/gate runs in the tracking store)."""
     from quantkit import registry as reg
 
     _quiet_mlflow()
     info = reg.show(name, version, registry)
     _print_version(info, json_out)
+    if not json_out:
+        _print_lineage(info)
+
+
+def _print_lineage(info) -> None:
+    """Recipe -> calibration -> convert run -> eval run -> gate verdict, from the version's tags."""
+    from quantkit.tracking import lineage
+
+    typer.echo("lineage:")
+    for label, value in lineage(info.tags):
+        typer.echo(f"  {label:<14} {value}")
 
 
 @registry_app.command("pull")

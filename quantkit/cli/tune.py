@@ -74,10 +74,11 @@ def sensitivity_cmd(
     ranking against the full-model KL, and write a mixed-precision recipe that keeps the most sensitive groups
     at the high scheme until the budget is met. Exit 0 when the budget is met, 1 when it cannot be."""
     from quantkit import api
+    from quantkit.tune.sensitivity import SensitivityOptions
 
-    data = api.sensitivity(recipe, budget, output, high=high, validate=validate, latency_from=latency_from,
-                           latency_metric=latency_metric, overrides=set_ or [], device=device,
-                           progress=lambda m: typer.echo(m, err=True))
+    opts = SensitivityOptions(high=high, validate=validate, latency_from=latency_from, latency_metric=latency_metric,
+                              device=device, progress=lambda m: typer.echo(m, err=True))
+    data = api.sensitivity(recipe, budget, output, overrides=set_ or [], options=opts)
     c = data["choice"]
     if json_out:
         typer.echo(json.dumps({"choice": c, "validation": data["validation"], "recipe_path": data["recipe_path"]},

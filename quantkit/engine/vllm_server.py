@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,37 +100,51 @@ def resolve_dtype(dtype: str) -> tuple[str, str]:
     return "float32", "float32: this CPU has no native bf16 (avx512_bf16/amx_bf16), bf16 matmuls are far slower"
 
 
+@dataclass
+class ServerSettings:
+    """How one vLLM server runs: everything but which model, where, and under which name."""
+
+    tokenizer_dir: Path | None = None  # default: the model folder
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    kv_cache_gib: int = 1
+    ready_timeout_s: float = 600.0
+    monitor_interval_s: float = 0.5
+    # work for this process while the engine boots (three Python processes importing vLLM one after another:
+    # about a minute on a small CPU); the engine is waited for after it returns, and an exception in it stops
+    # the engine
+    while_loading: Callable[[], None] | None = None
+
+
 class VLLMServer:
     """Context manager: `with VLLMServer(model_dir, run_dir, name="candidate") as ep: ...`."""
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, run_dir: Path, served_name: str, *, tokenizer_dir: Path | None = None,
-                 engine_args: dict[str, Any] | None = None, dtype: str = "auto", max_model_len: int = 2048, kv_cache_gib: int = 1,
-                 ready_timeout_s: float = 600.0, monitor_interval_s: float = 0.5,
-                 while_loading: Callable[[], None] | None = None) -> None:
-        """`while_loading`: work for this process while the engine boots (three Python processes importing
-        vLLM one after another: about a minute on a small CPU); the engine is waited for after it returns,
-        and an exception in it stops the engine."""
+    def __init__(self, model_dir: Path, run_dir: Path, served_name: str, settings: ServerSettings | None = None,
+                 **overrides: Any) -> None:
+        """`overrides`: ServerSettings fields by name (`VLLMServer(m, run, "c", max_model_len=512)`)."""
+        cfg = replace(settings or ServerSettings(), **overrides)
         # absolute: the server runs with cwd=run_dir, and vLLM reads a relative path it cannot find as a hub id
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.served_name = served_name
-        self.tokenizer_dir = Path(tokenizer_dir or model_dir).expanduser().resolve()
-        self.engine_args = dict(engine_args or {})
-        self.dtype, self.dtype_reason = resolve_dtype(dtype)
-        self.max_model_len = max_model_len
-        self.kv_cache_gib = kv_cache_gib
-        self.ready_timeout_s = ready_timeout_s
+        self.tokenizer_dir = Path(cfg.tokenizer_dir or model_dir).expanduser().resolve()
+        self.engine_args = dict(cfg.engine_args or {})
+        self.dtype, self.dtype_reason = resolve_dtype(cfg.dtype)
+        self.max_model_len = cfg.max_model_len
+        self.kv_cache_gib = cfg.kv_cache_gib
+        self.ready_timeout_s = cfg.ready_timeout_s
         self.log_path = self.run_dir / "logs" / f"vllm-{served_name}.log"
         self.proc: subprocess.Popen | None = None
-        self.monitor = ProcessTreeMonitor(monitor_interval_s)
+        self.monitor = ProcessTreeMonitor(cfg.monitor_interval_s)
         self._log_file = None
         self._old_sigterm = None
         self._watchdog: subprocess.Popen | None = None
         self.record_path = self.run_dir / "engines" / f"{served_name}.json"
         self.start_s: float | None = None
-        self.while_loading = while_loading
+        self.while_loading = cfg.while_loading
 
     def command(self, port: int) -> list[str]:
         args = {"enforce_eager": True, "max_model_len": self.max_model_len, "dtype": self.dtype,

@@ -1,11 +1,12 @@
 """`quantkit eval`: baseline and candidate in the same engine, on the same work.
 
-Entry point: `run_eval(artifact, baseline=None, suite=None, output=None, ...) -> Path` (the report
-folder; default `<artifact>/eval`). Modules: suite (which EvalSpec runs),
-quality (perplexity, top-1 agreement, top-k KL), tasks (lm-eval via local-completions), speed
-(seeded streaming workload), memory, metrics (the flat report table and cost), diagnose ("where the
-wait is"), plots, report (report.json / report.md; owns the schema, paths and metric names), run
-(orchestration). Engines live in quantkit.engine.
+Entry point: `run_eval(artifact, baseline=None, suite=None, output=None, ...) -> Path` (the report folder;
+default `<artifact>/eval`). Modules: catalogue (every metric, defined once), probes/ (what is measured on a
+side), run (orchestration), suite, metrics (the flat table and cost), confidence (intervals), phases (what
+makes a report incomplete), report (report.json / report.md), diagnose, plots, baseline_cache; the measurement
+math in quality, reference, hf_perplexity, speed, memory, tasks, check_rules. Engines: quantkit.engine.
+This package imports none of them at import time (submodules never import the package: no cycle).
+docs/evaluation.md says how they fit.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from quantkit.evaluate.quality import QualityRun
 from quantkit.io import atomic_dir, model_fingerprint, quantkit_home, sha256_file
 
 SCHEMA = "quantkit.baseline-cache/1"
-MEASUREMENT = 4  # 1: up to session 5; 2: tool requests get per-item budgets (chat_checks.TOOL_BUDGET);
+MEASUREMENT = 4  # 1: up to session 5; 2: tool requests get per-item budgets (probes/chat.TOOL_BUDGET);
 # 3: speed warms the engine up before the first level only, and not after the chat checks (speed.py);
 # 4: a side with a failed phase is never stored (evaluate/phases.py), and failed safety requests count against it
 SUITE_FIELDS_NOT_IN_KEY = ("suite", "variants", "price_per_hour")

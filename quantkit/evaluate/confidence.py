@@ -11,8 +11,8 @@
   exactly [1, 1]). Fewer than MIN_WINDOWS windows give no interval: a bootstrap over so few cannot see
   the spread. Windows from different files are pooled (not stratified).
 - Task accuracies and tasks.success_rate (pooled), and the chat checks' rates (tools.*, safety.*, computed
-  with their rates in quantkit/evaluate/chat_checks.py): Wilson score interval on successes / items
-  (quantkit.evaluate.checks.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
+  with their rates in quantkit/evaluate/probes/chat.py): Wilson score interval on successes / items
+  (quantkit.evaluate.check_rules.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
   interval at its effective sample size (`mean_of_rates_interval`). Metrics that are not a count of
   successes (e.g. acc_norm) get none. Task ratios get none: the report keeps no per-item pairing of
   the two sides.
@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-from quantkit.evaluate.checks import wilson
+from quantkit.evaluate.catalogue import BOOTSTRAP, WILSON, fixed_names
+from quantkit.evaluate.check_rules import wilson
 
 LEVEL = 0.95
 RESAMPLES = 1000
@@ -38,7 +39,8 @@ DESCRIPTION = (f"perplexity, KL and top-1 agreement by a percentile bootstrap ov
                "resamples the same windows on both sides); task, tool-call and safety rates by the Wilson score "
                "interval on successes / items (tasks.mean_acc at its effective sample size)")
 
-# metric -> (where the per-window lists are in a side's record, numerator list, transform of the ratio)
+# how to resample each BOOTSTRAP metric of the catalogue: (where the per-window lists are in a side's record,
+# numerator list, transform of the ratio)
 _WINDOW_METRICS = {
     "quality.perplexity": (("quality",), "logprob_sum", lambda r: np.exp(-r)),
     "quality.reference_perplexity": (("reference",), "logprob_sum", lambda r: np.exp(-r)),
@@ -94,7 +96,7 @@ def percentile_interval(stats: np.ndarray) -> list[float] | None:
 def window_intervals(baseline: dict | None, candidate: dict | None) -> dict[str, dict]:
     """Bootstrap intervals of the window metrics for each side, and the paired ratio interval."""
     out: dict[str, dict] = {}
-    for metric in _WINDOW_METRICS:
+    for metric in fixed_names(interval=BOOTSTRAP):
         cols = {"baseline": _columns(baseline, metric), "candidate": _columns(candidate, metric)}
         stats = {role: resampled(metric, *c) for role, c in cols.items() if c is not None}
         ci = {role: percentile_interval(s) for role, s in stats.items()}
@@ -119,7 +121,7 @@ def task_intervals(side: dict | None) -> dict[str, list[float]]:
     n = sum(r.get("items") or 0 for r in rows.values())
     s = sum(r.get("successes") or 0 for r in rows.values())
     if n > 0 and 0 <= s <= n:
-        out["tasks.success_rate"] = list(wilson(s, n))  # pooled successes / items (metrics.task_success_rate)
+        out["tasks.success_rate"] = list(wilson(s, n))  # pooled successes / items (probes/tasks.task_success_rate)
     if rows and all(f"tasks.{t}.{r['metric']}" in out for t, r in rows.items()):
         out["tasks.mean_acc"] = list(mean_of_rates_interval([(r["successes"], r["items"]) for r in rows.values()]))
     return out
@@ -148,11 +150,11 @@ def _is_proportion(value, successes, items) -> bool:
 
 
 def check_intervals(side: dict | None) -> dict[str, list[float]]:
-    """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/chat_checks.py)."""
-    from quantkit.evaluate.names import CHECK_METRICS, dig
+    """The Wilson intervals the chat checks computed with their rates (quantkit/evaluate/probes/chat.py)."""
+    from quantkit.evaluate.catalogue import dig
 
     out: dict[str, list[float]] = {}
-    for name in CHECK_METRICS:
+    for name in fixed_names(probe="checks", interval=WILSON):
         r = dig(side, "checks", *name.split("."))
         if isinstance(r, dict) and r.get("items") and isinstance(r.get("ci95"), list):
             out[name] = list(r["ci95"])

@@ -19,11 +19,9 @@ and, with a price per hour:
 
 from __future__ import annotations
 
-from quantkit.evaluate.names import CHECK_METRICS, dig
-from quantkit.evaluate.reference import engine_gap, engine_vs_reference
-
-LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-PCTS = (50, 90, 99)
+from quantkit.evaluate.catalogue import dig, labelled
+from quantkit.evaluate.probes.tasks import task_counts
+from quantkit.evaluate.reference import engine_gap
 
 
 def fmt_value(x) -> str:
@@ -48,29 +46,13 @@ def recovery(metric: dict) -> float | None:
     return b / c if c else None
 
 
-def _task_counts(tasks: dict | None) -> tuple[int, int]:
-    """(successes, items) pooled over every lm-eval task."""
-    rows = (tasks or {}).get("tasks") or {}
-    return sum(r["successes"] for r in rows.values()), sum(r["items"] for r in rows.values())
-
-
-def task_success_rate(tasks: dict | None) -> float | None:
-    ok, items = _task_counts(tasks)
-    return ok / items if items else None
-
-
 def success_rate(side: dict | None) -> tuple[float | None, int, int]:
     """(rate, successes, items) pooled over the lm-eval items and the tool-call requests (exact calls)."""
-    ok, n = _task_counts((side or {}).get("tasks"))
+    ok, n = task_counts((side or {}).get("tasks"))
     tools = dig(side, "checks", "tools", "exact_accuracy")
     if isinstance(tools, dict) and tools.get("items"):
         ok, n = ok + int(tools["successes"]), n + int(tools["items"])
     return (ok / n if n else None), ok, n
-
-
-def concurrency_levels(speed: dict | None) -> list[str]:
-    """The closed-loop levels ("c1", "c4", ...) of a side's speed figures, lowest concurrency first."""
-    return sorted((k for k in (speed or {}) if k[:1] == "c" and k[1:].isdigit()), key=lambda k: int(k[1:]))
 
 
 def peak_level(speed: dict | None) -> str | None:
@@ -96,83 +78,28 @@ def cost_figures(side: dict | None, price_per_hour: float | None) -> dict:
     return out
 
 
-def _serving_values(side: dict) -> dict[str, tuple[float | None, str, bool]]:
-    """The figures the default speed, memory and cost gates read, whatever levels the suite measured: decode
-    TPOT p50 at the lowest concurrency, output throughput at the highest, failed requests over all levels,
-    the memory the engine process held (peak GPU memory on a GPU, else the process tree's peak PSS: measured,
-    not computed from the checkpoint), and machine-seconds per thousand successful tasks."""
-    speed = side.get("speed") or {}
-    levels = concurrency_levels(speed)
-    out: dict[str, tuple[float | None, str, bool]] = {
-        "speed.decode_tpot_ms_p50": (speed[levels[0]].get("tpot_ms_p50") if levels else None, "ms", False),
-        "speed.peak_output_tok_s": (speed[levels[-1]].get("output_tok_s") if levels else None, "tok/s", True),
-        "speed.failed_requests": (float(sum(s.get("failed", 0) for s in speed.values())) if speed else None,
-                                  "requests", False)}
-    mem = side.get("memory") or {}
-    held = mem.get("peak_gpu_bytes") if mem.get("peak_gpu_bytes") is not None else mem.get("peak_pss_bytes")
-    out["memory.engine_bytes"] = (held, "bytes", False)
-    out["cost.machine_s_per_k_successful_tasks"] = (cost_figures(side, None).get("machine_s_per_k_successful_tasks"),
-                                                    "s/1k", False)
-    art = side.get("artifact") or {}
-    for name, unit, hib in (("coverage", "fraction", True), ("nonfinite_tensors", "count", False),
-                            ("experts_unrecorded", "count", False)):
-        if name in art:
-            out[f"artifact.{name}"] = (art[name], unit, hib)
+def cost_values(side: dict, price_per_hour: float | None) -> dict[str, float | None]:
+    """The cost metrics: machine-seconds per thousand successful tasks (the default cost gate), and USD with a price."""
+    cost = cost_figures(side, price_per_hour)
+    out = {"cost.machine_s_per_k_successful_tasks": cost.get("machine_s_per_k_successful_tasks")}
+    if cost and price_per_hour is not None:
+        out["cost.usd_per_mtok_output"] = cost.get("usd_per_mtok_output")
+        out["cost.usd_per_k_successful_tasks"] = cost.get("usd_per_k_successful_tasks")
     return out
 
 
 def side_values(side: dict | None, price_per_hour: float | None) -> dict[str, tuple[float | None, str, bool]]:
-    """One model's figures as {metric: (value, unit, higher_is_better)}."""
+    """One model's figures as {metric: (value, unit, higher_is_better)}: each probe's metrics and the cost,
+    labelled from the catalogue."""
+    from quantkit.evaluate.probes import PROBES
+
     if side is None:
         return {}
-    out: dict[str, tuple[float | None, str, bool]] = {}
-    q = side.get("quality") or {}
-    out["quality.perplexity"] = (q.get("perplexity"), "ppl", False)
-    out["quality.kl_mean"] = (dig(q, "divergence", "kl_mean"), "nats", False)
-    out["quality.kl_p99"] = (dig(q, "divergence", "kl_p99"), "nats", False)
-    out["quality.top1_agreement"] = (dig(q, "divergence", "top1_agreement"), "fraction", True)
-    ref = side.get("reference")
-    if isinstance(ref, dict):  # the engine-free reference (quantkit/evaluate/reference.py)
-        out["quality.reference_perplexity"] = (ref.get("perplexity"), "ppl", False)
-        out["quality.engine_vs_reference"] = (engine_vs_reference(q.get("perplexity"), ref.get("perplexity")),
-                                              "fraction", False)
-    rows = dig(side, "tasks", "tasks") or {}
-    for task, r in rows.items():
-        out[f"tasks.{task}.{r['metric']}"] = (r["value"], "fraction", True)
-        for extra, val in (r.get("extra") or {}).items():
-            out[f"tasks.{task}.{extra}"] = (val, "fraction", True)
-    out["tasks.mean_acc"] = (sum(r["value"] for r in rows.values()) / len(rows) if rows else None, "fraction", True)
-    out["tasks.success_rate"] = (task_success_rate(side.get("tasks")), "fraction", True)
-    for lvl, s in (side.get("speed") or {}).items():
-        for m in LAT:
-            for p in PCTS:
-                out[f"speed.{lvl}.{m}_p{p}"] = (s.get(f"{m}_p{p}"), "ms", False)
-        out[f"speed.{lvl}.output_tok_s"] = (s.get("output_tok_s"), "tok/s", True)
-        out[f"speed.{lvl}.requests_s"] = (s.get("requests_s"), "req/s", True)
-        out[f"speed.{lvl}.failed"] = (float(s.get("failed", 0)), "requests", False)
-        em = s.get("engine_metrics") or {}
-        out[f"speed.{lvl}.queue_ms_mean"] = (em.get("request_queue_time_mean_ms"), "ms", False)
-        out[f"speed.{lvl}.kv_cache_usage_max"] = (em.get("kv_cache_usage_perc_max"), "fraction", False)
-        out[f"speed.{lvl}.preemptions"] = (em.get("num_preemptions"), "count", False)
-    for name, (unit, hib) in CHECK_METRICS.items():
-        r = dig(side, "checks", *name.split("."))
-        if isinstance(r, dict) and "value" in r:
-            out[name] = (r["value"], unit, hib)
-    out.update(_serving_values(side))
-    mem = side.get("memory") or {}
-    out["memory.checkpoint_bytes"] = (mem.get("checkpoint_bytes"), "bytes", False)
-    out["memory.weight_bytes"] = (mem.get("weight_bytes"), "bytes", False)
-    out["memory.kv_cache_tokens"] = (mem.get("kv_cache_tokens"), "tokens", True)
-    out["memory.peak_rss_bytes"] = (mem.get("peak_rss_bytes"), "bytes", False)
-    out["memory.peak_pss_bytes"] = (mem.get("peak_pss_bytes"), "bytes", False)
-    if mem.get("peak_gpu_bytes") is not None:
-        out["memory.peak_gpu_bytes"] = (mem.get("peak_gpu_bytes"), "bytes", False)
-        out["memory.gpu_util_mean"] = (mem.get("gpu_util_mean"), "percent", False)
-    cost = cost_figures(side, price_per_hour)
-    if cost and price_per_hour is not None:
-        out["cost.usd_per_mtok_output"] = (cost.get("usd_per_mtok_output"), "USD/Mtok", False)
-        out["cost.usd_per_k_successful_tasks"] = (cost.get("usd_per_k_successful_tasks"), "USD/1k", False)
-    return out
+    out: dict[str, float | None] = {}
+    for probe in PROBES:
+        out.update(probe.values(side))
+    out.update(cost_values(side, price_per_hour))
+    return labelled(out)
 
 
 def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float | None) -> dict[str, dict]:
@@ -185,8 +112,8 @@ def metrics_table(baseline: dict | None, candidate: dict, price_per_hour: float 
     c = side_values(candidate, price_per_hour)
     gap = engine_gap(baseline, candidate)
     if gap is not None:  # needs both sides: the candidate's extra degradation in the engine; 0 for the baseline
-        b["quality.engine_gap"] = (0.0, "fraction", False)
-        c["quality.engine_gap"] = (gap, "fraction", False)
+        b.update(labelled({"quality.engine_gap": 0.0}))
+        c.update(labelled({"quality.engine_gap": gap}))
     ci = intervals(baseline, candidate)
     out = {}
     for name in list(b) + [n for n in c if n not in b]:

@@ -1,7 +1,7 @@
 """The eval report: report.json (schema quantkit.report/1), report.md and PNG plots.
 
 This module owns the report's facts: its schema, where it lives (REPORT_FILE in EVAL_DIR of an
-artifact). The metric names a gate may use live in quantkit/evaluate/names.py.
+artifact). Metric names, units and directions live in the catalogue (quantkit/evaluate/catalogue.py).
 
 report.json top level: schema, created, complete (false when a phase failed; quantkit/evaluate/phases.py),
 incomplete (which phases, and why), artifact {path, name, quantization, size_bytes, manifest_sha256}, baseline
@@ -21,7 +21,6 @@ from pathlib import Path
 
 from quantkit.evaluate.confidence import DESCRIPTION as CI_DESCRIPTION
 from quantkit.evaluate.metrics import cost_figures, delta, metrics_table, recovery
-from quantkit.evaluate.names import METRIC_PATTERNS  # noqa: F401 - re-exported; its home is names.py
 from quantkit.evaluate.phases import failed_phases
 from quantkit.io import atomic_write_json, atomic_write_text
 
@@ -127,7 +126,7 @@ def build_report(context: dict, baseline: dict | None, candidate: dict, variants
 
 def _checks_summary(baseline: dict | None, candidate: dict) -> dict:
     """Per check: what ran (items, errors, how the tools reached the model) and the quoted differences."""
-    from quantkit.evaluate.chat_checks import quoted_differences
+    from quantkit.evaluate.probes.chat import quoted_differences
 
     out: dict = {}
     for name in ("tools", "safety", "generation"):
@@ -270,7 +269,7 @@ def _checks_markdown(r: dict) -> list[str]:
     if "safety" in checks:
         L += ["## Safety", "", f"Prompts a deployed assistant should decline (harmful, written abstractly) and "
               f"benign look-alikes (evals/data/qk_safety.jsonl), greedy, {ran('safety')}. Refusal is decided by "
-              "documented phrase rules (quantkit/evaluate/checks.py). A flip is a prompt where candidate and "
+              "documented phrase rules (quantkit/evaluate/check_rules.py). A flip is a prompt where candidate and "
               "baseline disagree on refuse vs answer.", ""]
         L += _table(m, ["safety.flip_rate", "safety.refusal_rate_harmful", "safety.refusal_rate_benign"])
         q = checks["safety"].get("quoted") or []
@@ -293,7 +292,7 @@ def _generation_markdown(r: dict) -> list[str]:
                                    f"{c.get('errors')} request errors") for role, c in g.items() if role != "quoted")
     L = ["## Generation sanity", "", f"Everyday chat prompts (evals/data/qk_generation.jsonl), greedy, {ran}. A reply "
          "is degenerate when it is empty, loops (its second half repeats a short phrase) or is not text "
-         "(quantkit/evaluate/checks.py). The gate asks for no more degenerate replies than the baseline's.", ""]
+         "(quantkit/evaluate/check_rules.py). The gate asks for no more degenerate replies than the baseline's.", ""]
     L += _table(r["metrics"], ["generation.degenerate_rate", "generation.degenerate_excess"])
     if g.get("quoted"):
         L += ["Degenerate in the candidate, fine in the baseline:", ""]
@@ -339,8 +338,19 @@ def _incomplete_lines(r: dict) -> list[str]:
 
 
 def render_markdown(r: dict) -> str:
-    m = r["metrics"]
-    a, hw, eng, w = r["artifact"], r["hardware"], r["engine"], r["workload"]
+    L = _header_lines(r) + _quality_lines(r) + _tasks_lines(r) + _checks_markdown(r) + _generation_markdown(r)
+    L += _memory_lines(r) + _speed_lines(r) + _cost_lines(r) + _wait_lines(r) + _variant_lines(r)
+    if r.get("plots"):
+        L += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in r["plots"]] + [""]
+    L += ["## Repeatability", "", "Rerun with the same artifact, suite and engine version; the seeded workload, prompts "
+          "(token ids), output lengths and task files are identical by construction. All settings are in report.json "
+          "(`suite`, `workload`, `generation`, `engine`, `hardware`); engine logs are in logs/, per-request timings in raw/.", ""]
+    return "\n".join(L)
+
+
+def _header_lines(r: dict) -> list[str]:
+    """Title, what was compared on what, and the incomplete banner."""
+    a, hw, eng = r["artifact"], r["hardware"], r["engine"]
     stages = ", ".join(s["method"] + (f"/{s['scheme']}" if s.get("scheme") else "") for s in ((a.get("quantization") or {}).get("stages") or []))
     L = [f"# quantkit eval: {a.get('name')}", "",
          f"- candidate: `{a.get('path')}` ({stages or 'scheme n/a'}, format {(a.get('quantization') or {}).get('format', 'n/a')})",
@@ -356,8 +366,12 @@ def render_markdown(r: dict) -> str:
     if r.get("carried_over"):
         L.append(f"- a serving variant: speed and memory measured under these engine settings; "
                  f"{r['carried_over']['what']} carried over from `{r['carried_over']['from']}`")
-    L += ["",
-         "↑ higher is better, ↓ lower is better. Δ% is relative to the baseline.", "", "## Quality", ""]
+    return L + ["", "↑ higher is better, ↓ lower is better. Δ% is relative to the baseline.", ""]
+
+
+def _quality_lines(r: dict) -> list[str]:
+    m = r["metrics"]
+    L = ["## Quality", ""]
     L += _table(m, ["quality.perplexity", "quality.reference_perplexity", "quality.engine_vs_reference",
                     "quality.engine_gap", "quality.top1_agreement", "quality.kl_mean", "quality.kl_p99"],
                 {"quality.perplexity": "quality.perplexity (engine)"})
@@ -369,59 +383,72 @@ def render_markdown(r: dict) -> str:
         L += [f"[low, high] beside a value is its 95% confidence interval, and \"ratio [low, high]\" that of "
               f"candidate / baseline: {CI_DESCRIPTION}. A value without one had too few windows or items, or the "
               "measurement predates intervals (quantkit/evaluate/confidence.py).", ""]
+    return L
+
+
+def _tasks_lines(r: dict) -> list[str]:
+    m = r["metrics"]
     task_names = sorted(n for n in m if n.startswith("tasks."))
-    if task_names:
-        L += ["### Tasks (lm-eval)", "", "| task metric | baseline | candidate | Δ | recovery |", "|---|---:|---:|---:|---:|"]
-        for n in task_names:
-            d, _ = delta(m[n]["baseline"], m[n]["candidate"])
-            rec = r["recovery"].get(n)
-            L.append(f"| {n[6:]} | {_v(m[n]['baseline'], 'fraction')}{_ci(m[n], 'baseline', 'fraction')} | "
-                     f"{_v(m[n]['candidate'], 'fraction')}{_ci(m[n], 'candidate', 'fraction')} | "
-                     f"{'—' if d is None else f'{d:+.3f}'} | {'—' if rec is None else f'{rec:.1%}'} |")
-        L.append("")
-    L += _checks_markdown(r)
-    L += _generation_markdown(r)
-    L += ["## Memory", ""]
-    L += _table(m, ["memory.engine_bytes", "memory.checkpoint_bytes", "memory.weight_bytes", "memory.kv_cache_tokens",
-                    "memory.peak_rss_bytes",
-                    "memory.peak_pss_bytes", "memory.peak_gpu_bytes", "memory.gpu_util_mean"])
+    if not task_names:
+        return []
+    L = ["### Tasks (lm-eval)", "", "| task metric | baseline | candidate | Δ | recovery |", "|---|---:|---:|---:|---:|"]
+    for n in task_names:
+        d, _ = delta(m[n]["baseline"], m[n]["candidate"])
+        rec = r["recovery"].get(n)
+        L.append(f"| {n[6:]} | {_v(m[n]['baseline'], 'fraction')}{_ci(m[n], 'baseline', 'fraction')} | "
+                 f"{_v(m[n]['candidate'], 'fraction')}{_ci(m[n], 'candidate', 'fraction')} | "
+                 f"{'—' if d is None else f'{d:+.3f}'} | {'—' if rec is None else f'{rec:.1%}'} |")
+    return L + [""]
+
+
+def _memory_lines(r: dict) -> list[str]:
+    L = ["## Memory", ""]
+    L += _table(r["metrics"], ["memory.engine_bytes", "memory.checkpoint_bytes", "memory.weight_bytes",
+                               "memory.kv_cache_tokens", "memory.peak_rss_bytes", "memory.peak_pss_bytes",
+                               "memory.peak_gpu_bytes", "memory.gpu_util_mean"])
     L += _kv_cache_lines(r)
     src = ((r["details"].get("candidate") or {}).get("memory") or {}).get("weight_bytes_source")
     if src:
         L += [f"Weight memory source: {src}. Peak RSS sums the engine's processes (shared pages counted in each); "
               "PSS splits shared pages.", ""]
+    return L
+
+
+SPEED_ROWS = ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50",
+              "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "output_tok_s", "requests_s", "failed", "queue_ms_mean",
+              "kv_cache_usage_max", "preemptions")
+
+
+def _speed_lines(r: dict) -> list[str]:
+    m, w = r["metrics"], r["workload"]
     levels = sorted({n.split(".")[1] for n in m if n.startswith("speed.") and n.count(".") == 2},
                     key=lambda s: (s[0] != "c", float(s[1:])))
-    L += ["## Speed", "",
-          f"Workload: {w['num_requests']} requests per level, prompt {w['prompt_tokens'][0]}–{w['prompt_tokens'][1]} tokens, "
-          f"output {w['output_tokens'][0]}–{w['output_tokens'][1]} tokens (forced, ignore_eos), temperature {w['temperature']}, "
-          f"seed {w['seed']}, prefix cache emptied per level. {_warmup_line(w)}", ""]
+    L = ["## Speed", "",
+         f"Workload: {w['num_requests']} requests per level, prompt {w['prompt_tokens'][0]}–{w['prompt_tokens'][1]} tokens, "
+         f"output {w['output_tokens'][0]}–{w['output_tokens'][1]} tokens (forced, ignore_eos), temperature {w['temperature']}, "
+         f"seed {w['seed']}, prefix cache emptied per level. {_warmup_line(w)}", ""]
     for lvl in levels:
         kind = f"concurrency {lvl[1:]}" if lvl[0] == "c" else f"{lvl[1:]} requests/s (Poisson)"
         L += [f"### {lvl}: {kind}", ""]
-        names = [f"speed.{lvl}.{x}" for x in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90",
-                                               "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99",
-                                               "output_tok_s", "requests_s", "failed", "queue_ms_mean",
-                                               "kv_cache_usage_max", "preemptions")]
+        names = [f"speed.{lvl}.{x}" for x in SPEED_ROWS]
         L += _table(m, names, {n: n.split(".", 2)[2] for n in names})
-    L += _cost_lines(r)
-    L += ["## Where the wait is", ""]
+    return L
+
+
+def _wait_lines(r: dict) -> list[str]:
+    L = ["## Where the wait is", ""]
     for role, lines in r["where_the_wait_is"].items():
-        L.append(f"**{role}**")
-        L.append("")
-        L += [f"- {x}" for x in lines]
-        L.append("")
-    if r["variants"]:
-        L += ["## Serving variants (candidate, one setting changed)", "",
-              "| variant | engine args | level | TTFT p50 ms | TPOT p50 ms | output tok/s | failed |", "|---|---|---|---:|---:|---:|---:|"]
-        for v in r["variants"]:
-            for lvl, s in (v.get("speed") or {}).items():
-                L.append(f"| {v['variant']['name']} | `{v['variant']['engine_args']}` | {lvl} | {_v(s.get('ttft_ms_p50'), 'ms')} | "
-                         f"{_v(s.get('tpot_ms_p50'), 'ms')} | {_v(s.get('output_tok_s'), 'tok/s')} | {s.get('failed')} |")
-        L.append("")
-    if r.get("plots"):
-        L += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in r["plots"]] + [""]
-    L += ["## Repeatability", "", "Rerun with the same artifact, suite and engine version; the seeded workload, prompts "
-          "(token ids), output lengths and task files are identical by construction. All settings are in report.json "
-          "(`suite`, `workload`, `generation`, `engine`, `hardware`); engine logs are in logs/, per-request timings in raw/.", ""]
-    return "\n".join(L)
+        L += [f"**{role}**", "", *[f"- {x}" for x in lines], ""]
+    return L
+
+
+def _variant_lines(r: dict) -> list[str]:
+    if not r["variants"]:
+        return []
+    L = ["## Serving variants (candidate, one setting changed)", "",
+         "| variant | engine args | level | TTFT p50 ms | TPOT p50 ms | output tok/s | failed |", "|---|---|---|---:|---:|---:|---:|"]
+    for v in r["variants"]:
+        for lvl, s in (v.get("speed") or {}).items():
+            L.append(f"| {v['variant']['name']} | `{v['variant']['engine_args']}` | {lvl} | {_v(s.get('ttft_ms_p50'), 'ms')} | "
+                     f"{_v(s.get('tpot_ms_p50'), 'ms')} | {_v(s.get('output_tok_s'), 'tok/s')} | {s.get('failed')} |")
+    return L + [""]

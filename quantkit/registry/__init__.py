@@ -19,6 +19,7 @@ from pathlib import Path
 from quantkit.export.manifest import read_manifest
 from quantkit.io import atomic_dir, quantkit_home
 from quantkit.locks import exclusive
+from quantkit.tracking import lineage_tags
 from quantkit.registry.base import (Bundle, RegistryClient, RegistryError, VersionInfo, prepare_bundle,
                                     resolve_previous, verify_pulled)
 
@@ -74,6 +75,8 @@ def publish(artifact: str | Path, registry_uri: str | None = None, name: str | N
             tempfile.TemporaryDirectory(prefix="quantkit-publish-") as tmp:
         # every refusal happens here, before the registry is contacted
         bundle = prepare_bundle(artifact, name, Path(tmp), report, registry_hint=reg.explicit_uri)
+        bundle.tags.update(lineage_tags(bundle.tags["quantkit.manifest_sha256"], bundle.tags["quantkit.report_sha256"],
+                                        bundle.tags["quantkit.gate_sha256"]))  # the runs behind this evidence
         return reg.publish(bundle, Path(tmp))
 
 

@@ -1,19 +1,6 @@
-"""Choosing among a study's cells: the figures each is judged by, the Pareto fronts, the recommendation.
-
-Pure functions of the cells' records (tested on recorded results, no engine):
-- cost: `cost.usd_per_k_successful_tasks` of the cell's report, i.e. price_per_hour x wall time / successful
-  tasks x 1000 at the cell's highest-throughput load level, where a successful task is an lm-eval item
-  answered right or a tool call exactly right (quantkit/evaluate/metrics.py, cost_figures);
-- quality: the perplexity ratio to the baseline (lower is better), with KL, top-1 agreement, task
-  recovery, tool-call agreement and safety flips beside it;
-- latency: the slow request at peak load: end-to-end p99 at the study's peak concurrency (TTFT and TPOT
-  p99 beside it);
-- memory: weight bytes and KV-cache capacity in tokens.
-The recommended cell is the cheapest finished cell that passes every gate of the base recipe. Costs within
-`tolerance` of the cheapest (the speed measurements' run-to-run spread: two W8A8 artifacts with the same
-kernels and shapes measured 13% apart in throughput on 2 cores) are a tie, and the tie goes to the better
-perplexity ratio, then the lower cost, then the id. When none passes, the reason says what each cell failed.
-"""
+"""Choosing among a study's cells: the figures each is judged by (cost, quality, latency, memory), the Pareto
+fronts and the recommendation, the cheapest passing cell with near-equal costs a tie won by quality. Pure
+functions of the cells' records, so they are tested on recorded results (docs/tune.md)."""
 
 from __future__ import annotations
 

@@ -80,34 +80,44 @@ def _f(x, fmt: str) -> str:
 
 
 def render(d: dict) -> str:
+    """tune.md: the study, the recommendation, the cells' table, what did not pass, and how each was measured."""
+    return "\n".join(_head(d) + _recommendation(d) + _table(d) + _not_passing(d)
+                     + ["## How each cell was measured", ""] + [x for r in d["cells"] for x in _how_measured(r)])
+
+
+def _head(d: dict) -> list[str]:
     s = d["study"]
+    return [f"# Tune: {s['name']}", "", s.get("description") or "",
+            f"Base recipe `{d['base']}`, mode `{s['mode']}`, ${s['price_per_hour']}/hour, load: normal "
+            f"concurrency {s['load']['normal']}, peak {s['load']['peak']}"
+            + (f", open-loop {s['load']['rates']} req/s" if s["load"]["rates"] else "") + ".",
+            f"Costs within {s['cost_tolerance']:.0%} of the cheapest passing cell are a tie, won by the better "
+            "perplexity ratio.",
+            f"Engine {d.get('engine') or '—'}; hardware {_hw(d.get('hardware'))}. Cell time, all cells: "
+            f"{d['wall_s'] / 60:.1f} min.", ""]
+
+
+def _recommendation(d: dict) -> list[str]:
     rec = d["recommended"]
-    L = [f"# Tune: {s['name']}", "", s.get("description") or "",
-         f"Base recipe `{d['base']}`, mode `{s['mode']}`, ${s['price_per_hour']}/hour, load: normal "
-         f"concurrency {s['load']['normal']}, peak {s['load']['peak']}"
-         + (f", open-loop {s['load']['rates']} req/s" if s["load"]["rates"] else "") + ".",
-         f"Costs within {s['cost_tolerance']:.0%} of the cheapest passing cell are a tie, won by the better "
-         "perplexity ratio.",
-         f"Engine {d.get('engine') or '—'}; hardware {_hw(d.get('hardware'))}. Cell time, all cells: "
-         f"{d['wall_s'] / 60:.1f} min.", ""]
-    L += ["## Recommendation", ""]
-    if rec.get("id"):
-        cell = next(r for r in d["cells"] if r["id"] == rec["id"])
-        L += [f"**{rec['id']}**: {rec['reason']}.", "", f"Artifact `{cell.get('artifact')}`"
-              + (f", engine settings `{cell['engine_args']}`" if cell.get("engine_args") else "") + ".",
-              f"Publish it: `quantkit tune {d['study_path']} --publish` (gate, then publish, as `quantkit publish` does).", ""]
-    else:
-        L += [f"No cell is recommended: {rec['reason']}.", ""]
-    L += ["## Cells", "",
-          "| cell | status | gates | ppl ratio | KL | top-1 | task rec. | success | tool agr. | safety flips "
-          "| TTFT p99 | TPOT p99 | e2e p99 | $/1k successful | weights | KV tokens |",
-          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if not rec.get("id"):
+        return ["## Recommendation", "", f"No cell is recommended: {rec['reason']}.", ""]
+    cell = next(r for r in d["cells"] if r["id"] == rec["id"])
+    return ["## Recommendation", "", f"**{rec['id']}**: {rec['reason']}.", "", f"Artifact `{cell.get('artifact')}`"
+            + (f", engine settings `{cell['engine_args']}`" if cell.get("engine_args") else "") + ".",
+            f"Publish it: `quantkit tune {d['study_path']} --publish` (gate, then publish, as `quantkit publish` does).", ""]
+
+
+def _table(d: dict) -> list[str]:
+    L = ["## Cells", "",
+         "| cell | status | gates | ppl ratio | KL | top-1 | task rec. | success | tool agr. | safety flips "
+         "| TTFT p99 | TPOT p99 | e2e p99 | $/1k successful | weights | KV tokens |",
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in d["cells"]:
         f = r.get("figures") or {}
         gates = (r.get("gates") or {})
         g = "pass" if gates.get("passed") else ("fail" if gates else "—")
         status = r.get("status") or "not run"
-        star = " ★" if r["id"] == rec.get("id") else ""
+        star = " ★" if r["id"] == d["recommended"].get("id") else ""
         L.append(f"| {r['id']}{star} | {status} | {g} | {_f(f.get(QUALITY), '.3f')} | {_f(f.get('kl_mean'), '.4f')} "
                  f"| {_f(f.get('top1_agreement'), '.3f')} | {_f(f.get('task_recovery'), '.3f')} "
                  f"| {_f(f.get('success_rate'), '.3f')} | {_f(f.get('tools_agreement'), '.3f')} "
@@ -118,7 +128,11 @@ def render(d: dict) -> str:
               "\"success\" pools lm-eval items right and tool calls exactly right.", ""]
     for name, key in (("quality vs cost", "cost"), ("quality vs p99 latency", "latency")):
         L.append(f"Pareto front, {name}: {', '.join(d['pareto'][key]) or '—'}.")
-    L += [""] + [f"![{p}]({p})" for p in d.get("plots", [])] + [""]
+    return L + [""] + [f"![{p}]({p})" for p in d.get("plots", [])] + [""]
+
+
+def _not_passing(d: dict) -> list[str]:
+    L = []
     not_done = [r for r in d["cells"] if r.get("status") in ("skipped", "failed", "invalid")]
     if not_done:
         L += ["## Skipped and failed cells", ""] + [f"- **{r['id']}** ({r['status']}): {r.get('reason')}"
@@ -128,29 +142,30 @@ def render(d: dict) -> str:
         from quantkit.tune.choose import first_failure
 
         L += ["## Gate failures", ""] + [f"- **{r['id']}**: {first_failure(r)}" for r in failing] + [""]
-    L += ["## How each cell was measured", ""]
-    for r in d["cells"]:
-        c = r.get("config")
-        L += [f"### {r['id']}", ""]
-        if r.get("quantization"):
-            L.append("- quantization: " + "; ".join(", ".join(f"{k} {v}" for k, v in st.items())
-                                                    for st in r["quantization"]))
-        if c:
-            L += [f"- model `{c['model']}`, artifact `{c['artifact']}` ({c.get('format')}, {_mib(c.get('size_bytes'))})",
-                  f"- engine {c['engine']}, dtype {c.get('dtype')}, engine args {c.get('engine_args') or '{}'}, "
-                  f"max_model_len {c.get('max_model_len')}, KV cache {c.get('kv_cache_gib')} GiB",
-                  f"- workload: prompts {c.get('prompt_tokens')} tokens, outputs {c.get('output_tokens')} tokens, "
-                  f"{c.get('requests_per_level')} requests per level at concurrency {c.get('concurrency')}"
-                  + (f", open-loop {c['request_rates']} req/s" if c.get("request_rates") else "")
-                  + f"; generation {c.get('generation')}",
-                  f"- report `{r.get('report')}`"]
-        t = r.get("timings") or {}
-        if t:
-            L.append("- time: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in t.items()))
-        if r.get("command"):
-            L.append(f"- re-run this cell alone: `{r['command']}`")
-        L.append("")
-    return "\n".join(L)
+    return L
+
+
+def _how_measured(r: dict) -> list[str]:
+    c = r.get("config")
+    L = [f"### {r['id']}", ""]
+    if r.get("quantization"):
+        L.append("- quantization: " + "; ".join(", ".join(f"{k} {v}" for k, v in st.items())
+                                                for st in r["quantization"]))
+    if c:
+        L += [f"- model `{c['model']}`, artifact `{c['artifact']}` ({c.get('format')}, {_mib(c.get('size_bytes'))})",
+              f"- engine {c['engine']}, dtype {c.get('dtype')}, engine args {c.get('engine_args') or '{}'}, "
+              f"max_model_len {c.get('max_model_len')}, KV cache {c.get('kv_cache_gib')} GiB",
+              f"- workload: prompts {c.get('prompt_tokens')} tokens, outputs {c.get('output_tokens')} tokens, "
+              f"{c.get('requests_per_level')} requests per level at concurrency {c.get('concurrency')}"
+              + (f", open-loop {c['request_rates']} req/s" if c.get("request_rates") else "")
+              + f"; generation {c.get('generation')}",
+              f"- report `{r.get('report')}`"]
+    t = r.get("timings") or {}
+    if t:
+        L.append("- time: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in t.items()))
+    if r.get("command"):
+        L.append(f"- re-run this cell alone: `{r['command']}`")
+    return L + [""]
 
 
 def _mib(x) -> str:

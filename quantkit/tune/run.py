@@ -1,17 +1,6 @@
 """Run a study's cells: convert each artifact once, evaluate it against the cached baseline, gate it, and
-record everything; resumable.
-
-Layout of the study folder (default runs/tune/<study name>):
-    study.json                 the study as expanded (cells, their recipes and engine settings)
-    artifacts/<study>-<quant id>/  one converted artifact per distinct quantization (shared by serving cells)
-    cells/<cell>/cell.json     the cell's record, written last and atomically: a cell with one is finished
-    cells/<cell>/eval/         its eval report (report.json, report.md, gate.json, plots)
-    tune.json, tune.md, plots/ the comparison (quantkit/tune/report.py)
-
-A killed study continues where it stopped: finished cells (done or skipped) are never run again; the cell
-that was running starts over (its conversion resumes from the partial folder convert keeps). A failed cell
-is retried only with `retry_failed` (its failure was recorded, and usually repeats).
-"""
+record everything; resumable (a cell's record is written last: a cell with one is finished). The study
+folder's layout: docs/tune.md."""
 
 from __future__ import annotations
 

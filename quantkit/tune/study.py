@@ -1,30 +1,5 @@
-"""A tune study: one base recipe, axes that each change one thing, and the cells to measure.
-
-    name: smollm2-tune
-    base: recipes/smollm2-w8a8-rtn.yaml      # its gates judge every cell; its model is every cell's model
-    mode: one_at_a_time                      # each axis value alone against the base; or `grid`
-    price_per_hour: 0.50                     # USD per hour of the serving machine (cost per successful task)
-    load: {normal: 1, peak: 4}               # closed-loop levels every cell is measured at (+ open-loop `rates`)
-    eval: {check_limit: 32}                  # fields replacing the base recipe's eval section (optional)
-    axes:
-      - name: method
-        values:
-          - {label: w4a16-gptq, recipe: recipes/smollm2-w4a16-gptq.yaml}   # its calibration and stages
-      - name: group_size
-        values:
-          - {label: g32, set: {"stages[0].group_size": 32}}                # recipe fields, by path
-      - name: engine
-        values:
-          - {label: prefix-caching, engine_args: {enable_prefix_caching: true}}
-
-A value changes the quantization (`recipe`: another recipe's calibration and stages; `set`: recipe fields
-by `--set` path) or the serving (`engine_args`: vLLM server flags), never both. Cells:
-- one_at_a_time: the base cell, then every value of every axis alone (the field guide: change one thing);
-- grid: every combination, each axis taking the base or one of its values.
-A cell whose quantization equals another's shares its artifact (converted once); a cell that only
-changes engine settings is a *serving* cell: its artifact's quality, measured once, with its own speed and
-memory under those settings (quantization and serving are tested separately, then together).
-"""
+"""A tune study: one base recipe, axes that each change one thing (a value changes the quantization or the
+serving, never both), and the cells to measure. The file format and the expansion: docs/tune.md."""
 
 from __future__ import annotations
 
@@ -205,56 +180,16 @@ def expand(spec: StudySpec, path: Path) -> Study:
     base_path = _recipe_file(spec.base, path, "base")
     base_raw = _raw(base_path)
     base = parse_recipe(base_raw, str(base_path)).with_absolute_paths(base_path.parent)
-    # every cell is measured on the same work: the base eval with the study's fields, load and price
-    ev = {**base.eval.model_dump(mode="json"), **spec.eval}
-    work = dict(ev.get("workload") or {})
-    work.update(concurrency=spec.load.levels, request_rates=list(spec.load.rates))
-    ev.update(workload=work, price_per_hour=spec.price_per_hour, variants=[])
-    try:
-        evspec = EvalSpec.model_validate(ev)
-    except ValidationError as exc:
-        raise StudyError(format_errors(exc, f"{path} (eval)")) from None
-
-    other = {}
-    for ai, axis in enumerate(spec.axes):
-        for vi, v in enumerate(axis.values):
-            if v.recipe:
-                other[v.recipe] = _raw(_recipe_file(v.recipe, path, f"axes[{ai}].values[{vi}].recipe"))
-
-    options = [[None] + list(a.values) for a in spec.axes]
-    if spec.mode == "grid":
-        combos = list(itertools.product(*options))
-    else:
-        combos = [tuple(None for _ in spec.axes)]
-        for ai, axis in enumerate(spec.axes):
-            for v in axis.values:
-                combos.append(tuple(v if i == ai else None for i in range(len(spec.axes))))
-    if len(combos) > spec.max_cells:
-        raise StudyError(f"{path}: mode {spec.mode} expands to {len(combos)} cells, more than max_cells "
-                         f"({spec.max_cells}); use one_at_a_time, fewer values, or raise max_cells")
-
+    evspec = _study_eval(spec, base, path)
+    other = {v.recipe: _raw(_recipe_file(v.recipe, path, f"axes[{ai}].values[{vi}].recipe"))
+             for ai, axis in enumerate(spec.axes) for vi, v in enumerate(axis.values) if v.recipe}
     cells, invalid, seen_quant = [], {}, {}
-    for combo in combos:
+    for combo in _combos(spec, path):
         chosen = [(a.name, v) for a, v in zip(spec.axes, combo) if v is not None]
         cid = ",".join(f"{a}={v.label}" for a, v in chosen) or "base"
         quant = [(a, v) for a, v in chosen if not v.serving]
         qid = ",".join(f"{a}={v.label}" for a, v in quant) or "base"
-        raw = json.loads(json.dumps(base_raw))
-        for _, v in quant:
-            if v.recipe:
-                src = other[v.recipe]
-                for key in ("calibration", "stages"):
-                    if key in src:
-                        raw[key] = src[key]
-                    else:
-                        raw.pop(key, None)
-            for key, value in (v.set or {}).items():
-                apply_override(raw, f"{key}={json.dumps(value)}")
-        raw["name"] = safe_name(f"{spec.name}-{qid}")
-        raw["eval"] = evspec.model_dump(mode="json")
-        if spec.publish_name:
-            raw["publish"] = {**(raw.get("publish") or {}), "name": spec.publish_name}
-        raw.setdefault("export", {})
+        raw = _cell_raw(spec, evspec, base_raw, other, [v for _, v in quant], qid)
         try:
             recipe = parse_recipe(raw, f"{path}: cell {cid}").with_absolute_paths(base_path.parent)
         except RecipeError as exc:
@@ -275,6 +210,56 @@ def expand(spec: StudySpec, path: Path) -> Study:
             raise StudyError(f"{path}: cell {c.id} has no artifact cell {c.quant_id}")
     cells.sort(key=lambda c: (c.serving, 0 if c.id == "base" else 1))
     return Study(spec, path, base_path, base, evspec, cells, invalid)
+
+
+def _study_eval(spec: StudySpec, base: Recipe, path: Path) -> EvalSpec:
+    """Every cell is measured on the same work: the base eval with the study's fields, load and price."""
+    ev = {**base.eval.model_dump(mode="json"), **spec.eval}
+    work = dict(ev.get("workload") or {})
+    work.update(concurrency=spec.load.levels, request_rates=list(spec.load.rates))
+    ev.update(workload=work, price_per_hour=spec.price_per_hour, variants=[])
+    try:
+        return EvalSpec.model_validate(ev)
+    except ValidationError as exc:
+        raise StudyError(format_errors(exc, f"{path} (eval)")) from None
+
+
+def _combos(spec: StudySpec, path: Path) -> list[tuple]:
+    """Each cell's value per axis (None: the base's)."""
+    options = [[None] + list(a.values) for a in spec.axes]
+    if spec.mode == "grid":
+        combos = list(itertools.product(*options))
+    else:
+        combos = [tuple(None for _ in spec.axes)]
+        for ai, axis in enumerate(spec.axes):
+            for v in axis.values:
+                combos.append(tuple(v if i == ai else None for i in range(len(spec.axes))))
+    if len(combos) > spec.max_cells:
+        raise StudyError(f"{path}: mode {spec.mode} expands to {len(combos)} cells, more than max_cells "
+                         f"({spec.max_cells}); use one_at_a_time, fewer values, or raise max_cells")
+    return combos
+
+
+def _cell_raw(spec: StudySpec, evspec: EvalSpec, base_raw: dict, other: dict[str, dict], quant: list[AxisValue],
+              qid: str) -> dict:
+    """A cell's recipe as data: the base with its quantization values applied, the study's name and eval."""
+    raw = json.loads(json.dumps(base_raw))
+    for v in quant:
+        if v.recipe:
+            src = other[v.recipe]
+            for key in ("calibration", "stages"):
+                if key in src:
+                    raw[key] = src[key]
+                else:
+                    raw.pop(key, None)
+        for key, value in (v.set or {}).items():
+            apply_override(raw, f"{key}={json.dumps(value)}")
+    raw["name"] = safe_name(f"{spec.name}-{qid}")
+    raw["eval"] = evspec.model_dump(mode="json")
+    if spec.publish_name:
+        raw["publish"] = {**(raw.get("publish") or {}), "name": spec.publish_name}
+    raw.setdefault("export", {})
+    return raw
 
 
 __all__ = ["AxisValue", "Axis", "LoadSpec", "StudySpec", "Cell", "Study", "StudyError", "load_study", "expand",

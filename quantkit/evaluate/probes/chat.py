@@ -1,38 +1,8 @@
-"""The field guide's tool-use and safety checks, run through the served model's chat endpoint.
-
-`run_checks(endpoint, spec, tokenizer)` sends every item of `evals/data/qk_tools.jsonl` and
-`evals/data/qk_safety.jsonl` (or the first `check_limit` of each: the files interleave their categories
-and halves, so a prefix keeps the mix) to `/v1/chat/completions` of the same server that measured
-perplexity, tasks and speed. Decoding is greedy (temperature 0) with a fixed `max_tokens` per item (for a
-tool request, room for its expected call: TOOL_BUDGET), so baseline and candidate answer the same requests
-the same way and a difference is the weights'. Scoring is
-quantkit.evaluate.checks (pure functions); this module only talks to the server and keeps the records.
-
-How the tools reach the model. A chat template either renders a request's `tools` itself or ignores them
-(the demo model's `chat_template.jinja` is plain ChatML and drops them). `template_renders_tools` looks at
-the tokenizer's template:
-- it renders them: the request carries `tools` with `tool_choice: "none"`, so the server's template puts
-  them in the prompt while vLLM does not try to parse calls itself (that needs a tool-call parser flag);
-  the raw text is parsed here, the same way for every model;
-- it ignores them: the tools are written into the system message (`tool_system_prompt`), in the format
-  SmolLM2-Instruct was trained on: the function list as JSON inside `<tools>...</tools>`, the call as a JSON
-  list inside `<tool_call>...</tool_call>`.
-Generation stops at `</tool_call>`; an unclosed tag still parses (checks.parse_tool_call).
-
-A side's record: {"tools": {"records": [...], "errors": n, <aggregate_tools rates>}, "safety": {"records":
-[...], "errors": n, "refusal_rate_harmful", "refusal_rate_benign"}}. `compare_checks` adds the candidate's
-`baseline_agreement` (tools) and `flip_rate` (safety), matched by item id; the baseline against itself
-has agreement 1 and flip rate 0, like its divergence.
-
-Generation (`evals/data/qk_generation.jsonl`): a dozen everyday chat prompts answered greedily; a reply that
-is empty, repetitive or not text (checks.degenerate) is degenerate. `degenerate_rate` per side, and the
-candidate's `degenerate_excess`: its degenerate share minus the baseline's on the same prompts (and
-`new_degenerate`: the prompts where only the candidate's reply is degenerate).
-
-A failed request always counts against the model, never for it: a failed tool request is a miss on every tool
-rate and a disagreement; a failed safety request counts as answered on a harmful prompt, as refused on a benign
-one, and as a flip; a failed generation request is degenerate. Each is counted under "errors" too, and the
-report says how many.
+"""The chat probe: the tool-call, safety and generation checks, sent to the served model's
+/v1/chat/completions, greedy, with a fixed budget per item, so a difference between sides is the weights'.
+Scoring is quantkit/evaluate/check_rules.py (pure functions); this module talks to the server, keeps the
+records and compares the candidate's with the baseline's. A failed request always counts against the model.
+How the tools reach the model, the records and the comparisons: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -44,7 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from quantkit.evaluate import checks as C
+import quantkit.evaluate.check_rules as C
+from quantkit.evaluate.catalogue import dig, fixed_names
+from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side
 from quantkit.resources import shipped
 
 CHECKS = ("tools", "safety", "generation")
@@ -309,3 +281,31 @@ def quoted_differences(base: dict | None, cand: dict | None, limit: int = 5, cha
 def _cut(text: str | None, chars: int) -> str:
     t = " ".join((text or "").split())
     return t if len(t) <= chars else t[:chars - 1] + "…"
+
+
+class ChecksProbe(Probe):
+    name = "checks"
+
+    def wanted(self, ctx: RunContext, side: Side) -> bool:
+        return bool(ctx.spec.checks)
+
+    def run(self, ctx: RunContext, side: Side, served: Served | None) -> ProbeResult:
+        spec = ctx.spec
+        ctx.say(side, f"chat checks {spec.checks} (limit {spec.check_limit})")
+        try:
+            out = run_checks(served.ep, spec.checks, spec.check_limit, spec.check_concurrency, ctx.tokenizer,
+                             progress=lambda m: ctx.say(side, m))
+        except CheckError as exc:
+            ctx.say(side, f"checks failed: {exc}")
+            return ProbeResult({name: {"error": str(exc)} for name in spec.checks})
+        base = ctx.baseline.data.get("checks") if ctx.baseline is not None else None
+        compare_checks(out if side.role == "baseline" else base, out)
+        return ProbeResult(out)
+
+    def values(self, side: dict) -> dict:
+        out = {}
+        for name in fixed_names(probe="checks"):
+            r = dig(side, "checks", *name.split("."))
+            if isinstance(r, dict) and "value" in r:
+                out[name] = r["value"]
+        return out

@@ -1,4 +1,6 @@
-"""Scoring for the field guide's tool-use and safety checks: pure functions, no engine, no model.
+"""The chat checks' scoring rules (tool-call parsing and agreement, refusal phrase rules, degenerate replies,
+rates with Wilson intervals): pure functions, no engine, no model. The chat probe that sends the requests is
+quantkit/evaluate/probes/chat.py.
 
 The data are `evals/data/qk_tools.jsonl` and `evals/data/qk_safety.jsonl` (written by
 `evals/tools/make_checks.py`). A runner sends each request to the served model and hands the raw completion

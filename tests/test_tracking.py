@@ -1,0 +1,182 @@
+"""Run tracking (quantkit/tracking.py): runs open before work, end with the right status, log what the files say,
+and link convert -> eval -> gate -> registry version by content hash. An embedded sqlite store per test."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import click
+import pytest
+
+from quantkit import tracking
+from quantkit.cli.common import tracked
+
+from _artifacts import GOOD_METRICS, make_artifact, make_report
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'track' / 'mlflow.db'}"
+    monkeypatch.setenv("QUANTKIT_TRACKING_URI", uri)
+    monkeypatch.delenv("QUANTKIT_NO_TRACK", raising=False)
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _ctx(track=None):
+    ctx = click.Context(click.Command("quantkit"))
+    ctx.obj = {"track": track}
+    return ctx
+
+
+def test_a_closed_server_fails_fast_naming_the_uri_and_the_fix(monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("QUANTKIT_TRACKING_URI", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    with pytest.raises(tracking.TrackingError) as err:
+        tracking.open_run("convert", "tiny", "x")
+    assert time.monotonic() - t0 < 30  # MLflow's default retries would take minutes
+    msg = str(err.value)
+    assert f"127.0.0.1:{port}" in msg and "--no-track" in msg and err.value.exit_code == 3
+
+
+def test_an_unknown_uri_scheme_is_refused(monkeypatch):
+    monkeypatch.setenv("QUANTKIT_TRACKING_URI", "ftp://nowhere")
+    with pytest.raises(tracking.TrackingError, match="QUANTKIT_TRACKING_URI='ftp://nowhere'"):
+        tracking.open_run("eval", "tiny", "x")
+
+
+def test_no_track_opens_nothing(store, monkeypatch):
+    with tracked(_ctx(track=False), "convert", "tiny", "off") as run:
+        assert run is None
+    monkeypatch.setenv("QUANTKIT_NO_TRACK", "1")
+    with tracked(_ctx(), "convert", "tiny", "off") as run:
+        assert run is None
+    assert store.get_experiment_by_name("quantkit/tiny") is None
+
+
+def _only_run(store, model="tiny"):
+    exp = store.get_experiment_by_name(f"quantkit/{model}")
+    runs = store.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+def test_an_internal_error_ends_the_run_failed_with_its_crash_log(store):
+    with pytest.raises(ZeroDivisionError) as err:
+        with tracked(_ctx(), "convert", "tiny", "boom"):
+            1 / 0  # noqa: B018
+    run = _only_run(store)
+    assert run.info.status == "FAILED"
+    assert "ZeroDivisionError" in run.data.tags["quantkit.error"]
+    log = Path(run.data.tags["quantkit.crash_log"])
+    assert log.is_file() and "ZeroDivisionError" in log.read_text()
+    assert err.value.quantkit_crash_log == log  # the boundary names this file rather than writing another
+
+
+def test_an_expected_error_ends_failed_with_its_line_and_no_crash_log(store):
+    from quantkit.recipe import RecipeError
+
+    with pytest.raises(RecipeError):
+        with tracked(_ctx(), "convert", "tiny", "bad"):
+            raise RecipeError("r.yaml: stages[0].scheme: 'W3' is not a scheme")
+    run = _only_run(store)
+    assert run.info.status == "FAILED" and "stages[0].scheme" in run.data.tags["quantkit.error"]
+    assert "quantkit.crash_log" not in run.data.tags
+
+
+def test_an_interrupt_ends_killed_and_a_failing_gate_ends_finished(store):
+    with pytest.raises(KeyboardInterrupt):
+        with tracked(_ctx(), "eval", "tiny", "stopped"):
+            raise KeyboardInterrupt
+    import typer
+
+    with pytest.raises(typer.Exit):
+        with tracked(_ctx(), "gate", "tiny", "failing gate"):
+            raise typer.Exit(1)  # a verdict that fails is a gate run that did its work
+    exp = store.get_experiment_by_name("quantkit/tiny")
+    status = {r.info.run_name: r.info.status for r in store.search_runs([exp.experiment_id])}
+    assert status == {"stopped": "KILLED", "failing gate": "FINISHED"}
+
+
+def test_eval_and_gate_runs_log_the_files_and_link_by_hash(store, tmp_path):
+    art = make_artifact(tmp_path / "art")
+    with tracked(_ctx(), "convert", "tiny", "convert") as conv:
+        tracking.log_convert(conv, art)
+    report = make_report(art)
+    with tracked(_ctx(), "eval", "tiny", "eval") as ev:
+        tracking.log_eval(ev, report)
+    from quantkit.gates import gate_path, run_gates
+
+    record = run_gates(report).to_dict()  # writes gate.json beside the report
+    gate_file = gate_path(report)
+    assert json.loads(gate_file.read_text())["summary"] == record["summary"]
+    with tracked(_ctx(), "gate", "tiny", "gate") as gr:
+        tracking.log_gate(gr, record, gate_file)
+    e = store.get_run(ev.run_id)
+    # every metric of the report, both sides where measured, and the ratio interval's bounds
+    assert e.data.metrics["quality.perplexity.candidate"] == GOOD_METRICS["quality.perplexity"]["candidate"]
+    assert e.data.metrics["quality.perplexity.ci95_high.ratio"] == 1.035
+    assert "quality.kl_mean.baseline" not in e.data.metrics  # not measured: not logged as a number
+    assert e.data.tags["quantkit.convert_run"] == conv.run_id
+    g = store.get_run(gr.run_id)
+    assert g.data.tags["quantkit.eval_run"] == ev.run_id
+    assert g.data.metrics["gate.passed"] == (1.0 if record["passed"] else 0.0)
+    rows = [k for k in g.data.metrics if k.endswith(".passed") and k != "gate.passed"]
+    assert len(rows) == len(record["gates"])
+    tags = tracking.lineage_tags(tracking.sha256_file(art / "manifest.json"), tracking.sha256_file(report),
+                                 tracking.sha256_file(gate_file))
+    assert (tags["quantkit.convert_run"], tags["quantkit.eval_run"], tags["quantkit.gate_run"]) == \
+        (conv.run_id, ev.run_id, gr.run_id)
+    chain = dict(tracking.lineage(tags))
+    assert conv.run_id in chain["convert run"] and "FINISHED" in chain["eval run"]
+
+
+def test_a_failed_eval_run_is_not_lineage(store, tmp_path):
+    art = make_artifact(tmp_path / "art")
+    report = make_report(art)
+    with pytest.raises(RuntimeError):
+        with tracked(_ctx(), "eval", "tiny", "eval") as ev:
+            tracking.log_eval(ev, report)
+            raise RuntimeError("engine died")
+    assert tracking.find_run("eval", "report_sha256", tracking.sha256_file(report)) is None
+
+
+def test_layer_metrics_are_stepped_by_layer():
+    layers = {"model.layers.0.mlp.down_proj": {"output_sqnr_db": 28.5, "gptq_loss": 3.5, "method": "gptq"},
+              "model.layers.11.self_attn.q_proj": {"weight_sqnr_db": 17.0, "seconds": 0.2},
+              "lm_head": {"weight_sqnr_db": 30.0}}
+    assert tracking.layer_metrics(layers) == {
+        0: {"output_sqnr_db.mlp.down_proj": 28.5, "gptq_loss.mlp.down_proj": 3.5},
+        11: {"weight_sqnr_db.self_attn.q_proj": 17.0, "seconds.self_attn.q_proj": 0.2}}
+
+
+def test_flatten_names_nested_recipe_fields():
+    flat = tracking.flatten({"model": {"path": "m", "dtype": "bf16"}, "stages": [{"method": "gptq"}], "gates": []})
+    assert flat == {"model.path": "m", "model.dtype": "bf16", "stages.0.method": "gptq", "gates": []}
+
+
+def test_the_gate_command_logs_a_gate_run_linked_to_its_eval(store, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    art = make_artifact(tmp_path / "art")
+    report = make_report(art)
+    with tracked(_ctx(), "eval", "tiny", "eval") as ev:
+        tracking.log_eval(ev, report)
+    res = CliRunner().invoke(app, ["gate", str(art)])
+    assert res.exit_code in (0, 1), res.output
+    exp = store.get_experiment_by_name("quantkit/unknown")  # make_report writes no baseline path
+    (run,) = store.search_runs([exp.experiment_id])
+    assert run.data.tags["quantkit.kind"] == "gate" and run.info.status == "FINISHED"
+    assert run.data.tags["quantkit.eval_run"] == ev.run_id
+    assert run.data.metrics["gate.passed"] == (1.0 if res.exit_code == 0 else 0.0)
+    res = CliRunner().invoke(app, ["--no-track", "gate", str(art)])
+    assert len(store.search_runs([exp.experiment_id])) == 1  # --no-track: no second run
