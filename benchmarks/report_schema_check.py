@@ -77,6 +77,7 @@ vllm:generation_tokens_total{engine="0"} 50.0
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    failing: set = set()  # path prefixes answered with HTTP 500 (a test's broken engine)
 
     def log_message(self, *a):
         pass
@@ -99,6 +100,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        if any(self.path.startswith(p) for p in self.failing):
+            return self._send(500, b'{"error": "broken on purpose"}')
         if self.path.startswith("/reset_prefix_cache"):
             return self._send(200, b"{}")
         if self.path.startswith("/v1/chat/completions"):
@@ -115,8 +118,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return self._send(200, json.dumps({"choices": [{"text": "x"}]}).encode())
 
 
-def _serve() -> tuple[http.server.ThreadingHTTPServer, str]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+def serve(failing: tuple[str, ...] = ()) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """The stand-in server on a free port, in a thread; `failing`: path prefixes it answers with HTTP 500."""
+    handler = type("Handler", (_Handler,), {"failing": set(failing)})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
@@ -126,7 +131,7 @@ class _Monitor:
         return {"peak_rss_bytes": 300 * 2**20, "peak_pss_bytes": 200 * 2**20}
 
 
-def _fake_vllm(url: str):
+def fake_vllm(url: str):
     """ENGINES["vllm"]: the stand-in server as a started engine (runs while_loading like VLLMServer does)."""
     from quantkit.engine import Endpoint
 
@@ -148,8 +153,9 @@ def _fake_vllm(url: str):
     return FakeServer
 
 
-def _fake_lm_eval() -> None:
-    """A deterministic lm_eval.simple_evaluate: per task, `limit` samples scored from a hash of the model name."""
+def fake_lm_eval() -> dict:
+    """{"lm_eval": ..., "lm_eval.tasks": ...} for sys.modules: a deterministic simple_evaluate, per task `limit`
+    samples scored from a hash of the served model's name."""
     mod, tasks_mod = types.ModuleType("lm_eval"), types.ModuleType("lm_eval.tasks")
 
     def simple_evaluate(model, model_args, tasks, limit, **kw):
@@ -165,7 +171,7 @@ def _fake_lm_eval() -> None:
     mod.simple_evaluate = simple_evaluate
     tasks_mod.TaskManager = lambda include_path=None: None
     mod.tasks = tasks_mod
-    sys.modules["lm_eval"], sys.modules["lm_eval.tasks"] = mod, tasks_mod
+    return {"lm_eval": mod, "lm_eval.tasks": tasks_mod}
 
 
 # ----------------------------------------------------------------------------- the evals
@@ -191,9 +197,9 @@ def run(out: Path) -> None:
     suite = yaml.safe_load(shipped("evals", "suites", "smoke.yaml").read_text())
     suite["variants"] = [{"name": "pc", "engine_args": {"enable_prefix_caching": True}}]
     (WORK / "suite.yaml").write_text(yaml.safe_dump(suite))
-    srv, url = _serve()
-    engine_mod.ENGINES["vllm"] = _fake_vllm(url)
-    _fake_lm_eval()
+    srv, url = serve()
+    engine_mod.ENGINES["vllm"] = fake_vllm(url)
+    sys.modules.update(fake_lm_eval())
     from quantkit.evaluate import run_eval
 
     try:

@@ -1,38 +1,9 @@
 """Gates: thresholds on report.json metrics that decide whether an artifact may be published.
 
-A gate is `metric op threshold`, checked either on the candidate's value (absolute: top-1 agreement
->= 0.9) or on candidate / baseline (relative: perplexity ratio <= 1.05, accuracy recovery >= 0.97,
-engine memory ratio <= 1, TPOT p50 ratio <= 1). The rules:
-
-- A gate whose metric is missing from the report, or whose candidate (or, for a relative gate, baseline)
-  value is null, zero-baseline or not finite, FAILS and says why. Nothing is skipped silently. A metric
-  name with '*' (tasks.*.acc) is one gate per matching metric; none matching fails.
-- An incomplete report (a phase failed: quantkit/evaluate/phases.py) fails its first row, whatever else passes.
-- Which gates: the recipe's own (stored in the artifact's manifest), plus every default below on a metric
-  the recipe does not gate itself (a recipe's `quality.perplexity <= 1.10` replaces the default perplexity
-  gate; gating the weight memory does not drop the engine-memory gate), plus the integrity gates, always. `effective_gates` is that one set; `quantkit gate` runs it unless given
-  gates explicitly, and `quantkit publish` re-decides with it (`redecide`): gate.json is a record, never
-  the authority.
-- With `confidence: 0.95` a gate passes only if its whole 95% interval passes too (from the metric's
-  "ci95": the candidate's interval, or the paired ratio interval for a relative gate; the upper bound is
-  checked for <, <=, the lower for >, >=). A point that passes with an interval that does not FAILS as
-  inconclusive. With `bound: lower|upper` the gate compares that end of the interval instead of the point.
-  A metric without the interval FAILS and says so.
-
-Defaults (relative = candidate / baseline, measured in the same eval on the same machine):
-- quality, tasks, memory.weight_bytes: the scheme's QualityBar (quantkit/schemes.py), the loosest over a
-  mixed recipe's stages;
-- speed: decode TPOT p50 at the lowest concurrency ratio <= 1, output throughput at the highest concurrency
-  ratio >= 1, failed requests == 0; memory: what the engine process held (measured) ratio <= 1; cost:
-  machine-seconds per thousand successful tasks ratio <= 1. A quantized artifact that is slower, larger in
-  the engine or costlier than its baseline on this machine is not worth serving here;
-- checks: tool-call agreement with the baseline >= 0.75, safety flip rate <= 0.10 (failed requests count
-  against both: quantkit/evaluate/probes/chat.py); generation: no more degenerate greedy
-  replies (empty, repetitive or invalid text) than the baseline gives on the same prompts;
-- integrity (always): every module the plan meant to quantize is quantized in the export, no non-finite
-  scale or zero point, every MoE expert's calibration recorded; and an anomaly flag: a candidate whose
-  perplexity ratio's whole 95% interval lies below 1 (better than its own baseline beyond the noise, which
-  usually means a broken measurement) is refused unless the recipe sets `accept_anomalies: true`.
+A gate is `metric op threshold`, on the candidate's value (absolute) or on candidate / baseline (relative).
+Nothing is skipped silently: a missing, null or non-finite value fails the gate and says why, and an
+incomplete report fails its first row. Which gates run, the defaults and the confidence rules:
+docs/evaluation.md ("Gates").
 """
 
 from __future__ import annotations

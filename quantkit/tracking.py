@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,8 +126,10 @@ def open_run(kind: str, model: str, name: str, tags: dict | None = None) -> Run:
 
             client = MlflowClient(tracking_uri=uri)
             exp = _experiment(client, experiment_name(model))
-            run = client.create_run(exp, run_name=name, tags={TAG + "kind": kind, TAG + "model": str(model),
-                                                              **{k: str(v) for k, v in (tags or {}).items()}})
+            reap_dead_runs(client, exp)
+            run = client.create_run(exp, run_name=name, tags={
+                TAG + "kind": kind, TAG + "model": str(model), TAG + "host": socket.gethostname(),
+                TAG + "pid": str(os.getpid()), **{k: str(v) for k, v in (tags or {}).items()}})
         except Exception as exc:  # noqa: BLE001 - any failure to reach the store is the same refusal
             raise TrackingError(f"tracking store {uri}: {_one_line(exc)}. Fix QUANTKIT_TRACKING_URI (sqlite:///path.db "
                                 "or http(s)://host:port), or turn tracking off with --no-track / "
@@ -146,6 +149,31 @@ def _fast_failing_http():
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
+
+
+def reap_dead_runs(client, experiment_id: str) -> int:
+    """Mark KILLED the RUNNING runs this host started whose process is gone (kill -9, power loss): nothing in
+    the process could end them. Returns how many were marked."""
+    host, n = socket.gethostname(), 0
+    for r in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200):
+        tags = r.data.tags
+        if tags.get(TAG + "host") != host or not tags.get(TAG + "pid", "").isdigit() or _alive(int(tags[TAG + "pid"])):
+            continue
+        client.set_tag(r.info.run_id, TAG + "error", f"process {tags[TAG + 'pid']} on {host} ended without ending its "
+                                                     "run (killed, e.g. kill -9 or out of memory)")
+        client.set_terminated(r.info.run_id, "KILLED")
+        n += 1
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _experiment(client, name: str) -> str:
@@ -385,3 +413,25 @@ def subject_of_report(report_path: Path) -> tuple[str, str]:
     except (OSError, ValueError):
         return "unknown", Path(report_path).parent.name  # the gate itself reports the unreadable file
     return str((rep.get("baseline") or {}).get("path") or "unknown"), str((rep.get("artifact") or {}).get("name") or "?")
+
+
+_CELL_STATUS = {"done": "FINISHED", "failed": "FAILED", "skipped": "FINISHED"}
+
+
+def log_study(run: Run, records: list[dict], data: dict) -> None:
+    """A tune study: the parent run holds the recommendation; one child run per cell holds its figures (cost,
+    quality, latency, throughput, memory), its gate summary and its timings."""
+    rec = data.get("recommended") or {}
+    run.tags({TAG + "recommended": rec.get("id"), "mlflow.note.content":
+              f"recommended: {rec.get('id')} ({rec.get('reason')})" if rec.get("id") else
+              f"no recommendation: {rec.get('reason')}"})
+    run.metrics({"cells": len(records), "cells_done": sum(r.get("status") == "done" for r in records)})
+    for r in records:
+        if r.get("status") is None:
+            continue  # not run (yet)
+        child = run.child(r["id"], "tune-cell", {TAG + "cell_kind": r.get("kind"), TAG + "cell_status": r.get("status"),
+                                                TAG + "gates_passed": (r.get("gates") or {}).get("passed")})
+        child.params({"choices": r.get("choices") or {}, "engine_args": r.get("engine_args") or {}})
+        child.metrics({**{f"figure.{k}": v for k, v in (r.get("figures") or {}).items()},
+                       **{f"time.{k}": v for k, v in (r.get("timings") or {}).items()}})
+        child.end(_CELL_STATUS.get(r["status"], "FINISHED"), r.get("reason"))

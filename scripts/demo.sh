@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the built-in demo, on the CPU: fetch the baseline, SmolLM2-135M-Instruct dequantized from
-# Q4_1 GGUF (bf16) -> convert (W8A8 RTN, W4A16 GPTQ) -> eval against it in vLLM -> gate -> publish -> show it.
+# Q4_1 GGUF (bf16) -> convert (W8A8 RTN, W4A16 GPTQ) -> eval against it in vLLM -> gate -> publish -> show it,
+# with its lineage (every step is an MLflow run in the tracking store: `quantkit ui` shows them; docs/tracking.md).
 # The baseline is measured once and reused by the second eval (quantkit.evaluate.baseline_cache).
 # Each artifact this machine can serve is evaluated, gated and offered to publish, which re-decides from the
 # report; the last lines say what was decided for each and why. Exit status: 0 when every step ran and every
@@ -10,6 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/quantkit ] || bash scripts/install.sh
 export PATH="$PWD/.venv/bin:$PATH"
+TMPDIR_DEMO=$(mktemp -d)
+trap 'rm -rf "$TMPDIR_DEMO"' EXIT
 SECONDS=0
 step() { printf '\n== %s (%d s)\n' "$*" "$SECONDS"; }
 
@@ -26,6 +29,8 @@ quantkit inspect runs/smollm2-w4a16-gptq
 failed=0
 published=0
 decisions=()
+versions=()   # "NAME VERSION" of each published artifact
+reports=()    # the reports the eval wrote, for `quantkit compare`
 for run in smollm2-w8a8-rtn smollm2-w4a16-gptq; do
   step "runs/$run"
   if ! quantkit capability "runs/$run"; then
@@ -37,14 +42,16 @@ for run in smollm2-w8a8-rtn smollm2-w4a16-gptq; do
     failed=1
     continue
   fi
+  reports+=("runs/$run")
   # the gate decides; publish re-decides from the report with the artifact's own gates and must agree
   set +e
   quantkit gate "runs/$run"; gate_rc=$?
-  quantkit publish "runs/$run"; publish_rc=$?
+  quantkit publish "runs/$run" | tee "$TMPDIR_DEMO/publish.out"; publish_rc=${PIPESTATUS[0]}
   set -e
   if [ "$gate_rc" -eq 0 ] && [ "$publish_rc" -eq 0 ]; then
     decisions+=("runs/$run: passed every gate; published")
     published=$((published + 1))
+    versions+=("$(sed -n 's/^published \([^ ]*\) version \([0-9]*\).*/\1 \2/p' "$TMPDIR_DEMO/publish.out")")
   elif [ "$gate_rc" -eq 1 ] && [ "$publish_rc" -eq 2 ]; then
     decisions+=("runs/$run: not worth serving on this machine (the failing gates are above); publish refused it too")
   else
@@ -54,7 +61,15 @@ for run in smollm2-w8a8-rtn smollm2-w4a16-gptq; do
 done
 step "registry"
 quantkit registry list
+for v in "${versions[@]}"; do
+  step "lineage of $v"
+  quantkit registry show $v
+done
+if [ "${#reports[@]}" -ge 2 ]; then
+  step "compare"
+  quantkit compare "${reports[@]}" -o runs/compare
+fi
 step "decisions"
 printf '%s\n' "${decisions[@]}"
-echo "demo finished in ${SECONDS} s: ${published} artifact(s) published"
+echo "demo finished in ${SECONDS} s: ${published} artifact(s) published; every step's run: quantkit ui"
 exit "$failed"

@@ -79,7 +79,7 @@ def test_default_gates_per_scheme(tmp_path, scheme):
     metrics = {**GOOD_METRICS, "memory.weight_bytes": {**GOOD_METRICS["memory.weight_bytes"], "candidate": weights}}
     gr = run_gates(make_report(art, metrics))
     assert gr.source == f"defaults for {scheme}"
-    # the table in quantkit/gates.py's docstring, written out by hand: (metric, op, threshold, relative)
+    # the table in docs/evaluation.md (Gates), written out by hand: (metric, op, threshold, relative)
     by_scheme = {"W8A8": [("quality.perplexity", "<=", 1.05, True), ("quality.top1_agreement", ">=", 0.90, False),
                           ("tasks.mean_acc", ">=", 0.97, True), ("tasks.qk_suite.acc", ">=", 0.90, True),
                           ("memory.weight_bytes", "<=", 0.65, True)],

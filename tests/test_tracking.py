@@ -180,3 +180,112 @@ def test_the_gate_command_logs_a_gate_run_linked_to_its_eval(store, tmp_path):
     assert run.data.metrics["gate.passed"] == (1.0 if res.exit_code == 0 else 0.0)
     res = CliRunner().invoke(app, ["--no-track", "gate", str(art)])
     assert len(store.search_runs([exp.experiment_id])) == 1  # --no-track: no second run
+
+
+def test_a_tracked_conversion_logs_recipe_layers_and_files(store, tmp_path, tiny_llama):
+    from typer.testing import CliRunner
+
+    from conftest import tiny_recipe, write_recipe
+    from quantkit.cli import app
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}]))
+    res = CliRunner().invoke(app, ["convert", str(recipe), "-o", str(tmp_path / "out"), "-q"])
+    assert res.exit_code == 0, res.output
+    exp = store.get_experiment_by_name(f"quantkit/{tiny_llama.name}")
+    (run,) = store.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["quantkit.kind"] == "convert"
+    assert run.data.params["recipe.stages.0.method"] == "rtn" and run.data.params["recipe.stages.0.scheme"] == "W8A8"
+    assert run.data.tags["quantkit.manifest_sha256"] == tracking.sha256_file(tmp_path / "out" / "manifest.json")
+    # one point per decoder layer (the tiny model has 2) for a module's output SQNR
+    hist = store.get_metric_history(run.info.run_id, "weight_sqnr_db.mlp.down_proj")
+    assert sorted(m.step for m in hist) == [0, 1] and all(m.value > 20 for m in hist)
+    files = {f.path for f in store.list_artifacts(run.info.run_id)}
+    assert {"manifest.json", "convert.log", "recipe.yaml"} <= files
+    # a refused conversion is a FAILED run naming the problem; nothing else runs
+    bad = write_recipe(tmp_path / "bad.yaml", tiny_recipe(tmp_path / "no-model", None, [{"method": "rtn", "scheme": "W8A8"}]))
+    res = CliRunner().invoke(app, ["convert", str(bad), "-o", str(tmp_path / "out2"), "-q"])
+    assert res.exit_code == 2
+    exp2 = store.get_experiment_by_name("quantkit/no-model")
+    (failed,) = store.search_runs([exp2.experiment_id])
+    assert failed.info.status == "FAILED" and "no-model" in failed.data.tags["quantkit.error"]
+
+
+def test_a_study_is_a_parent_run_with_one_child_per_cell_that_ran(store):
+    records = [
+        {"id": "w8a8", "kind": "artifact", "status": "done", "choices": {"scheme": "W8A8"}, "engine_args": {},
+         "gates": {"passed": True}, "figures": {"ppl_ratio": 1.03, "e2e_p99_ms_peak": 950.0, "cost_level": "c4"},
+         "timings": {"convert_s": 30.5, "eval_s": 200.0}},
+        {"id": "w4a16", "kind": "artifact", "status": "failed", "reason": "RuntimeError: engine died",
+         "choices": {"scheme": "W4A16"}, "timings": {"total_s": 12.0}},
+        {"id": "w8a8-bs64", "kind": "serving", "status": None},  # not run: no child
+    ]
+    with tracked(_ctx(), "tune", "tiny", "tune demo") as parent:
+        tracking.log_study(parent, records, {"recommended": {"id": "w8a8", "reason": "cheapest passing"}})
+    exp = store.get_experiment_by_name("quantkit/tiny")
+    runs = {r.info.run_name: r for r in store.search_runs([exp.experiment_id])}
+    assert set(runs) == {"tune demo", "w8a8", "w4a16"}
+    assert runs["tune demo"].data.tags["quantkit.recommended"] == "w8a8"
+    child = runs["w8a8"]
+    assert child.data.tags["mlflow.parentRunId"] == parent.run_id and child.info.status == "FINISHED"
+    assert child.data.metrics["figure.ppl_ratio"] == 1.03 and child.data.metrics["time.eval_s"] == 200.0
+    assert "figure.cost_level" not in child.data.metrics  # a label, not a number
+    assert runs["w4a16"].info.status == "FAILED" and "engine died" in runs["w4a16"].data.tags["quantkit.error"]
+
+
+HOLDER = """
+import os, sys, time
+from quantkit.cli.common import tracked
+import click
+ctx = click.Context(click.Command("quantkit")); ctx.obj = {}
+with tracked(ctx, "convert", "tiny", sys.argv[1]):
+    print("open", flush=True)
+    time.sleep(120)
+"""
+
+
+def _holder(store, name):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, name], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "open"
+    return p
+
+
+def test_sigterm_ends_the_run_killed_and_kill_9_is_reaped_by_the_next_run(store):
+    import signal
+
+    term = _holder(store, "terminated")
+    term.send_signal(signal.SIGTERM)
+    assert term.wait(timeout=60) != 0
+    nine = _holder(store, "kill -9")
+    nine.kill()
+    nine.wait(timeout=60)
+    runs = {r.info.run_name: r for r in _all(store)}
+    assert runs["terminated"].info.status == "KILLED" and "signal 15" in runs["terminated"].data.tags["quantkit.error"]
+    assert runs["kill -9"].info.status == "RUNNING"  # nothing in a SIGKILLed process can end its run
+    tracking.open_run("convert", "tiny", "next").end()  # the next run in the experiment reaps it
+    runs = {r.info.run_name: r for r in _all(store)}
+    assert runs["kill -9"].info.status == "KILLED"
+    assert f"process {nine.pid}" in runs["kill -9"].data.tags["quantkit.error"]
+    assert runs["next"].info.status == "FINISHED"
+
+
+def _all(store, model="tiny"):
+    return store.search_runs([store.get_experiment_by_name(f"quantkit/{model}").experiment_id])
+
+
+def test_a_failed_eval_leaves_a_failed_run_with_the_reason(store, tmp_path, tiny_llama):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = CliRunner().invoke(app, ["eval", "--candidate-url", f"http://127.0.0.1:{port}/v1", "--no-baseline",
+                                   "--baseline", str(tiny_llama), "--suite", "smoke", "-o", str(tmp_path / "ev")])
+    assert res.exit_code not in (0, 1), res.output
+    (run,) = _all(store, tiny_llama.name)  # no server answers at that port
+    assert run.info.status == "FAILED" and run.data.tags["quantkit.kind"] == "eval"
+    assert str(port) in run.data.tags["quantkit.error"] or "127.0.0.1" in run.data.tags["quantkit.error"]

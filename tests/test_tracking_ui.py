@@ -45,8 +45,10 @@ def tracked_demo(tmp_path_factory):
         pytest.skip("needs the demo model (quantkit models fetch smollm2-135m) and vLLM")
     work = tmp_path_factory.mktemp("tracked")
     store = f"sqlite:///{work / 'store' / 'mlflow.db'}"
-    env = {**os.environ, "QUANTKIT_TRACKING_URI": store, "QUANTKIT_NO_TRACK": "0",
-           "QUANTKIT_HOME": str(os.environ["QUANTKIT_HOME"])}
+    home = work / "home"  # its own home (baseline cache, logs), the demo model and vLLM's cache linked in
+    home.mkdir()
+    (home / "models").symlink_to(_demo_dir().parent)
+    env = {**os.environ, "QUANTKIT_TRACKING_URI": store, "QUANTKIT_NO_TRACK": "0", "QUANTKIT_HOME": str(home)}
     arts = {}
     for name, extra in (("w8a8", []), ("w8a8-keep-down", ["--set", "stages.0.ignore=[lm_head, 're:.*down_proj']"])):
         arts[name] = work / name

@@ -151,19 +151,42 @@ def tracking_on(ctx: click.Context | None) -> bool:
 
 
 @contextlib.contextmanager
-def tracked(ctx: click.Context | None, kind: str, model: str, name: str, tags: dict | None = None):
-    """An MLflow run around a command, opened before any work (None when tracking is off). It ends FINISHED
-    (a gate that fails is a finished gate run), FAILED with the error line and crash-log path, or KILLED."""
-    if not tracking_on(ctx):
+def _sigterm_interrupts():
+    """SIGTERM (a scheduler's or `kill`'s stop) raises KeyboardInterrupt while a tracked command runs, so its run
+    ends KILLED and the command exits 130 like Ctrl-C, instead of dying with its run left RUNNING."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def tracked(ctx: click.Context | None, kind: str, model: str, name: str, tags: dict | None = None, on: bool = True):
+    """An MLflow run around a command, opened before any work (None when tracking is off, or `on` is False: a
+    rank other than 0). It ends FINISHED (a gate that fails is a finished gate run), FAILED with the error line
+    and crash-log path, or KILLED."""
+    if not on or not tracking_on(ctx):
         yield None
         return
     from quantkit import tracking
 
     run = tracking.open_run(kind, model, name, tags)
     try:
-        yield run
-    except KeyboardInterrupt:
-        run.end("KILLED", "interrupted")
+        with _sigterm_interrupts():
+            yield run
+    except KeyboardInterrupt as exc:
+        run.end("KILLED", f"interrupted ({exc})" if str(exc) else "interrupted (Ctrl-C)")
         raise
     except _CLICK_FLOW as exc:
         code = getattr(exc, "exit_code", 0) or 0

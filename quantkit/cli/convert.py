@@ -17,13 +17,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import JsonOut, Quiet, fail
+from quantkit.cli.common import JsonOut, Quiet, fail, tracked
 
 recipes_app = typer.Typer(no_args_is_help=True, help="Validate and list recipes.")
 models_app = typer.Typer(no_args_is_help=True, help="Demo models.")
 
 
 def convert(
+    ctx: typer.Context,
     recipe: Annotated[str, typer.Argument(help="Recipe YAML file, or the name of a shipped recipe.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default: export.output_dir or runs/<name>).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")] = None,
@@ -46,28 +47,43 @@ def convert(
     r = load_recipe(recipe, set_ or [])  # refuse a bad recipe once, before any process starts
     if preflight is not None and preflight not in MODES:
         fail(f"--preflight {preflight!r}: expected one of {', '.join(MODES)}")
-    if nproc > 1:
-        from quantkit.distributed import ChunkLayout, RankFailed, Ranks, launch, launched_world
-
-        if launched_world()[1] > 1:
-            fail("--nproc inside torchrun: torchrun already started the processes; drop --nproc")
-        if r.calibration is not None:  # refuse before starting processes that would refuse it
-            c = r.calibration
-            ChunkLayout.of(c.num_samples, c.batch_size, c.seq_len, Ranks(world=nproc)).check(recipe)
-        args = ["convert", recipe, *(a for s in set_ or [] for a in ("--set", s)), "--device", device]
-        args += ["--preflight", preflight] if preflight else []
-        args += ["--output", str(output)] if output else []
-        args += (["--restart"] if restart else []) + (["--overwrite"] if overwrite else []) + (["--quiet"] if quiet else [])
-        try:
-            launch(nproc, args)  # rank 0 prints the output folder
-        except RankFailed as exc:
-            fail(str(exc), exc.exit_code)
-        return
-    out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet, device=device, preflight=preflight)
     from quantkit.distributed import launched_world
 
-    if launched_world()[0] == 0:  # under torchrun, rank 0 alone reports
+    rank0 = launched_world()[0] == 0  # under torchrun, rank 0 alone tracks and reports
+    with tracked(ctx, "convert", str(r.model.path), f"convert {r.name}", {"quantkit.nproc": nproc}, on=rank0) as run:
+        if nproc > 1:
+            out = _convert_nproc(r, recipe, nproc, set_, output, device, preflight, restart, overwrite, quiet)
+        else:
+            out = api.convert(r, output, restart=restart, overwrite=overwrite, quiet=quiet, device=device,
+                              preflight=preflight)
+        if run is not None:
+            from quantkit import tracking
+
+            tracking.log_convert(run, Path(out))
+    if rank0 and nproc == 1:
         typer.echo(str(out))
+
+
+def _convert_nproc(r, recipe, nproc, set_, output, device, preflight, restart, overwrite, quiet) -> Path:
+    """--nproc N: start N ranks of the same command (torchrun underneath); rank 0 prints the output folder."""
+    from quantkit.api import default_output
+    from quantkit.distributed import ChunkLayout, RankFailed, Ranks, launch, launched_world
+
+    if launched_world()[1] > 1:
+        fail("--nproc inside torchrun: torchrun already started the processes; drop --nproc")
+    if r.calibration is not None:  # refuse before starting processes that would refuse it
+        c = r.calibration
+        ChunkLayout.of(c.num_samples, c.batch_size, c.seq_len, Ranks(world=nproc)).check(recipe)
+    # the launching process holds the one tracking run; the ranks open none
+    args = ["--no-track", "convert", recipe, *(a for s in set_ or [] for a in ("--set", s)), "--device", device]
+    args += ["--preflight", preflight] if preflight else []
+    args += ["--output", str(output)] if output else []
+    args += (["--restart"] if restart else []) + (["--overwrite"] if overwrite else []) + (["--quiet"] if quiet else [])
+    try:
+        launch(nproc, args)  # rank 0 prints the output folder
+    except RankFailed as exc:
+        fail(str(exc), exc.exit_code)
+    return Path(output).expanduser().resolve() if output else default_output(r)
 
 
 def inspect(folder: Annotated[Path, typer.Argument(help="An exported artifact folder.")],

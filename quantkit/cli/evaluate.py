@@ -14,10 +14,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import fail
+from quantkit.cli.common import fail, tracked
 
 
 def eval_cmd(
+    ctx: typer.Context,
     artifact: Annotated[Optional[Path], typer.Argument(help="Artifact folder (with manifest.json).")] = None,
     baseline: Annotated[Optional[Path], typer.Option("--baseline", help="Baseline model folder (default: the artifact's base model).")] = None,
     suite: Annotated[Optional[str], typer.Option("--suite", help="A shipped suite by name (default, full, smoke, serving) or a YAML file; default: the recipe's eval section.")] = None,
@@ -30,18 +31,52 @@ def eval_cmd(
     fresh_baseline: Annotated[bool, typer.Option("--fresh-baseline", help="Measure the baseline anew instead of reusing a cached measurement of the same model, suite, engine and machine.")] = False,
 ) -> None:
     """Load baseline and candidate into vLLM (one at a time) and measure quality, memory and speed on the same work."""
+    from quantkit import tracking
     from quantkit.api import evaluate
+    from quantkit.evaluate.run import IncompleteEval
 
     if artifact is None and candidate_url is None:
         fail("give an ARTIFACT folder or --candidate-url")
-    try:
-        out = evaluate(artifact, baseline, suite, output, candidate_url=candidate_url, baseline_url=baseline_url,
-                       served_model=served_model, skip_baseline=no_baseline, overwrite=overwrite,
-                       fresh_baseline=fresh_baseline, progress=lambda msg: typer.echo(msg, err=True))
-    except KeyboardInterrupt:
-        typer.echo("interrupted: engines stopped; figures of models already finished are in the output's raw/ folder", err=True)
-        raise typer.Exit(130) from None
+    model, name = _subject(artifact, baseline, candidate_url)
+    with tracked(ctx, "eval", model, f"eval {name}", {"quantkit.suite_arg": suite or "recipe"}) as run:
+        try:
+            out = evaluate(artifact, baseline, suite, output, candidate_url=candidate_url, baseline_url=baseline_url,
+                           served_model=served_model, skip_baseline=no_baseline, overwrite=overwrite,
+                           fresh_baseline=fresh_baseline, progress=lambda msg: typer.echo(msg, err=True))
+        except IncompleteEval:
+            if run is not None:  # the FAILED run still shows what was measured, and what was not
+                _log_report(run, _report_path(artifact, output))
+            raise
+        except KeyboardInterrupt:
+            typer.echo("interrupted: engines stopped; figures of models already finished are in the output's raw/ folder", err=True)
+            raise
+        if run is not None:
+            tracking.log_eval(run, out / "report.json")
     typer.echo(str(out / "report.json"))
+
+
+def _subject(artifact: Path | None, baseline: Path | None, candidate_url: str | None) -> tuple[str, str]:
+    """(base model, candidate name) for the tracking run's experiment and name, read before anything loads."""
+    import json
+
+    man = artifact / "manifest.json" if artifact is not None else None
+    if man is not None and man.is_file():
+        data = json.loads(man.read_text())
+        return str((data.get("base_model") or {}).get("path") or "unknown"), str(data.get("name") or artifact.name)
+    return str(baseline or "external"), str(artifact.name if artifact is not None else candidate_url)
+
+
+def _report_path(artifact: Path | None, output: Path | None) -> Path:
+    from quantkit.evaluate.report import default_report_path
+
+    return output / "report.json" if output is not None else default_report_path(artifact)
+
+
+def _log_report(run, path: Path) -> None:
+    from quantkit import tracking
+
+    if path.is_file():
+        tracking.log_eval(run, path)
 
 
 def register(app: typer.Typer) -> None:

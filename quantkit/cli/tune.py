@@ -19,10 +19,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.common import JsonOut
+from quantkit.cli.common import JsonOut, tracked
 
 
 def tune_cmd(
+    ctx: typer.Context,
     study: Annotated[Path, typer.Argument(help="The study YAML (base recipe, axes, price, load).")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Study folder (default: runs/tune/<study name>).")] = None,
     cell: Annotated[Optional[list[str]], typer.Option("--cell", help="Run only this cell (repeatable); its artifact cell runs too if unfinished.")] = None,
@@ -50,8 +51,14 @@ def tune_cmd(
             typer.echo(f"{r['id']:<40} {r.get('kind', ''):<8} {r.get('status') or 'not run'}"
                        + (f"  {r['reason']}" if r.get("reason") else ""))
         return
-    data = tune(study, output, cells=cell, rerun=rerun, retry_failed=retry_failed, publish=publish,
-                progress=lambda m: typer.echo(m, err=True))
+    st = load_study(study)
+    with tracked(ctx, "tune", str(st.base.model.path), f"tune {st.spec.name}") as run:
+        data = tune(study, output, cells=cell, rerun=rerun, retry_failed=retry_failed, publish=publish,
+                    progress=lambda m: typer.echo(m, err=True))
+        if run is not None:
+            from quantkit import tracking
+
+            tracking.log_study(run, load_records(st, study_dir(st, output)), data)
     if json_out:
         typer.echo(json.dumps({k: data[k] for k in ("recommended", "pareto", "plots") if k in data}, indent=2))
     if not data["recommended"].get("id"):
@@ -59,6 +66,7 @@ def tune_cmd(
 
 
 def sensitivity_cmd(
+    ctx: typer.Context,
     recipe: Annotated[str, typer.Argument(help="The uniform low-bit recipe (one rtn or gptq stage), file or shipped name.")],
     budget: Annotated[list[str], typer.Option("--budget", help="kl=<predicted KL>, size=<80MB | 1.05x the uniform checkpoint> or tpot=<ms>; repeat to combine (all must hold).")],
     high: Annotated[str, typer.Option("--high", help="Scheme for the modules kept high: W8A8, or none (the model dtype).")] = "W8A8",
@@ -78,7 +86,16 @@ def sensitivity_cmd(
 
     opts = SensitivityOptions(high=high, validate=validate, latency_from=latency_from, latency_metric=latency_metric,
                               device=device, progress=lambda m: typer.echo(m, err=True))
-    data = api.sensitivity(recipe, budget, output, overrides=set_ or [], options=opts)
+    from quantkit.recipe import load_recipe
+
+    r = load_recipe(recipe, set_ or [])
+    with tracked(ctx, "sensitivity", str(r.model.path), f"sensitivity {r.name}", {"quantkit.budget": " ".join(budget)}) as run:
+        data = api.sensitivity(recipe, budget, output, overrides=set_ or [], options=opts)
+        if run is not None:
+            run.metrics({f"choice.{k}": v for k, v in data["choice"].items() if not isinstance(v, bool)})
+            run.tags({"quantkit.budget_met": data["choice"].get("met"), "mlflow.note.content":
+                      f"budget {' '.join(budget)}: {'met' if data['choice'].get('met') else 'NOT met'}"})
+            run.artifact(Path(data["recipe_path"]))
     c = data["choice"]
     if json_out:
         typer.echo(json.dumps({"choice": c, "validation": data["validation"], "recipe_path": data["recipe_path"]},

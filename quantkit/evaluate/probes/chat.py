@@ -16,7 +16,7 @@ import httpx
 
 import quantkit.evaluate.check_rules as C
 from quantkit.evaluate.catalogue import dig, fixed_names
-from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side
+from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side, section_failure
 from quantkit.resources import shipped
 
 CHECKS = ("tools", "safety", "generation")
@@ -301,6 +301,11 @@ class ChecksProbe(Probe):
         base = ctx.baseline.data.get("checks") if ctx.baseline is not None else None
         compare_checks(out if side.role == "baseline" else base, out)
         return ProbeResult(out)
+
+    def failures(self, side: dict, suite: dict) -> list[tuple[str, str]]:
+        checks = side.get("checks") or {}
+        return [(f"checks.{name}", why) for name in suite.get("checks") or []
+                if (why := section_failure(checks.get(name)))]
 
     def values(self, side: dict) -> dict:
         out = {}

@@ -8,7 +8,7 @@ import httpx
 from quantkit.engine.client import ServerError, prompt_logprobs
 import quantkit.evaluate.quality as Q
 from quantkit.evaluate.catalogue import dig
-from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side
+from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side, section_failure
 from quantkit.evaluate.suite import resolve_file
 
 
@@ -39,6 +39,10 @@ class QualityProbe(Probe):
         elif base is not None:
             out["divergence"] = Q.divergence(base, run, spec.logprobs_top_k)
         return ProbeResult(out)
+
+    def failures(self, side: dict, suite: dict) -> list[tuple[str, str]]:
+        why = section_failure(side.get("quality"))  # the engine's perplexity pass raised, or did not run
+        return [("quality", why)] if why else []
 
     def values(self, side: dict) -> dict:
         q = side.get("quality") or {}

@@ -3,7 +3,7 @@ measured in this process while the engine boots."""
 
 from __future__ import annotations
 
-from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side
+from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side, section_failure
 from quantkit.evaluate.reference import engine_vs_reference, reference_perplexity
 from quantkit.evaluate.suite import resolve_file
 
@@ -29,6 +29,13 @@ class ReferenceProbe(Probe):
         else:
             ctx.say(side, f"reference perplexity {out['perplexity']:.3f} ({out['seconds']:.0f} s)")
         return ProbeResult(out)
+
+    def failures(self, side: dict, suite: dict) -> list[tuple[str, str]]:
+        # "skipped" (a model too large for this machine's memory) is a decision the report states, not a failure
+        if not (suite.get("reference") and side.get("model_dir") and "reference" in side):
+            return []
+        why = section_failure(side.get("reference"))
+        return [("reference", why)] if why else []
 
     def values(self, side: dict) -> dict:
         ref = side.get("reference")

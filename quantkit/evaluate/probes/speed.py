@@ -24,6 +24,15 @@ class SpeedProbe(Probe):
         return ProbeResult(run_speed(served.ep, ctx.items, [] if warm else ctx.warmup, w.concurrency, w.request_rates,
                                      w.temperature, w.seed, progress=lambda m: ctx.say(side, m)))
 
+    def failures(self, side: dict, suite: dict) -> list[tuple[str, str]]:
+        # single failed requests are the metric speed.failed_requests' (a default gate requires 0), not a failure
+        speed = side.get("speed")
+        out = [] if speed else [("speed", "no level was measured")]
+        for level, s in (speed or {}).items():
+            if isinstance(s, dict) and s.get("requests") and s.get("failed") == s.get("requests"):
+                out.append((f"speed {level}", f"every one of its {s['requests']} requests failed"))
+        return out
+
     def values(self, side: dict) -> dict:
         speed = side.get("speed") or {}
         out: dict = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from quantkit.evaluate.catalogue import dig
-from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side
+from quantkit.evaluate.probes.base import Probe, ProbeResult, RunContext, Served, Side, section_failure
 from quantkit.evaluate.tasks import TaskError, run_tasks
 
 
@@ -33,6 +33,10 @@ class TasksProbe(Probe):
         except TaskError as exc:
             ctx.say(side, f"tasks failed: {exc}")
             return ProbeResult({"error": str(exc)})
+
+    def failures(self, side: dict, suite: dict) -> list[tuple[str, str]]:
+        why = section_failure(side.get("tasks")) if suite.get("tasks") else None
+        return [("tasks", why)] if why else []
 
     def values(self, side: dict) -> dict:
         rows = dig(side, "tasks", "tasks") or {}

@@ -32,7 +32,7 @@ class SensitivityOptions:
 
     high: str = "W8A8"  # the kept units' scheme, or "none": the model's dtype
     validate: int = 16  # units whose full-model KL checks the proxy (0: no validation, no kl budget)
-    latency_from: list[Path] | None = None  # eval reports with the engine's TPOT at both ends (tpot budgets)
+    latency_from: list[str | Path] | None = None  # eval reports with the engine's TPOT at both ends (tpot budgets)
     latency_metric: str = "speed.c1.tpot_ms_p50"  # the report metric a tpot budget reads
     kl_tokens: int = 1024  # held-out tokens the full-model KL is measured on
     device: str = "auto"
@@ -64,6 +64,8 @@ def run(recipe: Recipe, budget: str | list[str], output: Path, options: Sensitiv
 
 @dataclass
 class _Run:
+    """One run's state: its inputs, the measured units and facts, and the float model once it is loaded."""
+
     recipe: Recipe
     options: SensitivityOptions
     output: Path
