@@ -79,7 +79,7 @@ from quantkit.model.arch import arch_for
 from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton, materialize, release
 from quantkit.model.sources import resolve_model_dir
 from quantkit.data import build_calibration_set
-from quantkit.quantize.layers import capture_layer_inputs
+from quantkit.quantize.walk import capture_layer_inputs
 from transformers import AutoTokenizer
 r = load_recipe("recipes/smollm2-w4a16-gptq.yaml", [f"calibration.num_samples={sys.argv[1]}"])
 d = resolve_model_dir(r.model); tok = AutoTokenizer.from_pretrained(d)

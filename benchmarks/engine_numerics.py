@@ -19,7 +19,7 @@ export wrote (read from a `quantkit convert` of recipes/smollm2-<scheme>-rtn.yam
 - compressed_tensors_reference: what transformers computes in the reference column (compressed-tensors'
   decompression with float32 scales, its dynamic activation quantization with scale absmax/127.5),
   checked against the transformers module itself;
-- vllm[...]: vLLM's own layer (quantkit.engine.numerics.vllm_linear: CompressedTensorsConfig, the scheme and
+- vllm[...]: vLLM's own layer (quantkit.diagnostics.numerics.vllm_linear: CompressedTensorsConfig, the scheme and
   CPU kernel vLLM selects, its weight loaders, process_weights_after_loading, forward), in the activation
   dtype `quantkit eval` runs here (quantkit.engine.vllm_server.resolve_dtype), plus the other kernels
   vLLM picks on other CPUs or settings: the oneDNN int8 path in float32 (CPUs without AMX), that path with
@@ -109,7 +109,7 @@ def perplexity_with(model_dir: Path, export: Path, kind: str, max_tokens: int) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
     from quantkit.evaluate.hf_perplexity import token_windows, window_nll
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -143,7 +143,7 @@ def worker(isa: str, work: Path) -> None:
         torch.cpu._is_avx512_bf16_supported = lambda: False
     from safetensors.torch import load_file, save_file
 
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     job = json.loads((work / "job.json").read_text())
     xs = load_file(str(work / "x.safetensors"))
@@ -311,7 +311,7 @@ def analyse_w4a16(nm, lin, x, y_float, y_ref, engine, dtype) -> dict:
 def run_scheme(scheme: str, args, xs: dict, model: Path) -> dict:
     import torch
 
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     export = args.export if args.export and len(args.schemes) == 1 else ensure_export(scheme, model, args.work)
     dtype = nm.engine_dtype()
@@ -380,7 +380,7 @@ def run_scheme(scheme: str, args, xs: dict, model: Path) -> dict:
         res["layers"][name] = {"shape": list(lin.shape), "tokens": int(x.shape[0]), "export_check": export_check,
                                "paths": paths, **detail}
     if args.ppl_tokens:
-        from quantkit.engine import numerics as nm2
+        from quantkit.diagnostics import numerics as nm2
 
         kinds = ["float", "quantkit"]
         native_ok = nm2.kernel_unavailable(nm2.read_exported_linear(export, args.layer[0]), dtype) is None
@@ -449,7 +449,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from quantkit import hardware
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
     from quantkit.engine.vllm_server import vllm_version
 
     args.layer = args.layer or DEFAULT_LAYERS

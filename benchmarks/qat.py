@@ -13,7 +13,7 @@ manifest's held-out KL at each evaluation gives the curve (KL to the float model
     .venv/bin/python benchmarks/qat.py --recipe my-w8a8-qat.yaml  # any recipe whose last stage is qat
     .venv/bin/python benchmarks/qat.py --step-time           # seconds per optimizer step, the shipped recipe's shape
 
---step-time times `quantkit.qat.optimizer_step` alone (the training loop's step: micro-batches, the
+--step-time times `quantkit.quantize.finetune.optimizer_step` alone (the training loop's step: micro-batches, the
 teacher or its cached top-k targets, the backward, AdamW) on the demo model with RTN W4A16 QATLinears,
 with the shipped QAT recipe's batch shape unless overridden, after one warm-up step. With top-k targets
 (the recipe's default) the teacher's pass over the windows runs first and is reported per window.
@@ -73,7 +73,7 @@ def recovery(args) -> None:
     from quantkit import api
     from quantkit.evaluate.hf_perplexity import load_for_perplexity, perplexity, window_nll
     from quantkit.hardware import hardware
-    from quantkit.qat import split_windows
+    from quantkit.quantize.finetune import split_windows
     from quantkit.recipe import load_recipe
 
     os.chdir(REPO)  # the shipped recipes name calibration/ relative to the repository root
@@ -132,8 +132,8 @@ def step_time(args) -> None:
     import torch
     import yaml
 
-    from quantkit import qat
-    from quantkit.algorithms.qat import QATLinear, QATStage
+    from quantkit.quantize import finetune as qat
+    from quantkit.algorithms.qat import QATFormat, QATLinear, QATStage
     from quantkit.algorithms.rtn import rtn
     from quantkit.hardware import compute_dtype, hardware
     from quantkit.recipe import load_recipe
@@ -147,14 +147,13 @@ def step_time(args) -> None:
                      "gradient_checkpointing": args.gradient_checkpointing,
                      **({"teacher_topk": args.teacher_topk} if args.teacher_topk is not None else {})})
     spec = get_scheme("W4A16").with_overrides(group_size=args.group_size).weights
-    model = qat.load_float(Path(args.model), load_recipe(REPO / "recipes" / "smollm2-w4a16-gptq-qat.yaml",
-                                                         [f"model.path={args.model}"]))
+    model = qat.load_float(Path(args.model))
     modules = {}
     for name, lin in list(model.named_modules()):
         if isinstance(lin, torch.nn.Linear) and not name.endswith("lm_head"):
             deq, qp = rtn(lin.weight.float(), spec, torch.bfloat16)
             m = QATLinear(deq, lin.bias, qp.scale, qp.zero_point, torch.arange(lin.in_features) // args.group_size,
-                          spec, None, True, torch.bfloat16)
+                          QATFormat(spec, None, True, torch.bfloat16))
             m.keep_float(lin.weight, lin.bias, torch.bfloat16)
             model.set_submodule(name, m)
             modules[name] = m
@@ -162,8 +161,6 @@ def step_time(args) -> None:
     if st.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    params = qat.trainable(modules)
-    opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=qat.BETAS, weight_decay=0.0)
     dtype, why = compute_dtype(st.compute_dtype, torch.device("cpu"))
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
     n_windows = 16
@@ -172,11 +169,11 @@ def step_time(args) -> None:
     if st.loss == "kd" and st.teacher_topk:  # as in a run that draws every window: the teacher's pass first
         targets = qat.TeacherTargets(teacher, train, st.teacher_topk, autocast)
         targets.precompute(torch.device("cpu"), st.batch_size * st.grad_accum, quiet=True)
+    tr = qat.Training(model, teacher, modules, st, train, [1.0], autocast=autocast, targets=targets)
     times, losses = [], []
     for step in range(args.timed_steps + 1):
         t0 = time.perf_counter()
-        losses.append(qat.optimizer_step(model, teacher, modules, params, opt, st, train, [1.0], step, autocast,
-                                         targets))
+        losses.append(qat.optimizer_step(tr, step))
         times.append(time.perf_counter() - t0)
     tokens = st.batch_size * st.seq_len * st.grad_accum
     res = {"mode": "step-time", "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum,

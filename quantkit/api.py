@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantkit.convert import convert, default_output, partial_dir  # noqa: F401  (the convert verb)
+from quantkit.convert import convert, default_output  # noqa: F401  (the convert verb)
+from quantkit.pipeline import partial_dir  # noqa: F401
 from quantkit.evaluate import run_eval as evaluate  # noqa: F401
 from quantkit.gates import run_gates as gate  # noqa: F401
 from quantkit.registry import promote, publish, pull, rollback  # noqa: F401

@@ -115,18 +115,32 @@ def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
         if not docs:
             raise DataError(f"{where}.path: {src.path!r}: every matched file is empty")
         return docs
+    records = _records(src, where)
+    if src.type == "chat":
+        docs = _chat_documents(records, where, tokenizer)
+    else:
+        docs = [r for r in records if isinstance(r, str) and r.strip()]
+    if not docs:
+        raise DataError(f"{where}: {src.path!r} holds no non-empty text")
+    return docs
+
+
+def _records(src: DataSource, where: str) -> list:
+    """The `field` column of a jsonl / chat / parquet / disk / hub source."""
     if src.type in ("jsonl", "chat"):
         field = "messages" if (src.type == "chat" and src.field == "text") else src.field
         records = []
         for p in _files(src, where):
             records.extend(_read_jsonl(p, field, where, src.encoding == "strict"))
-    elif src.type == "parquet":
+        return records
+    if src.type == "parquet":
         import pyarrow.parquet as pq
 
         records = []
         for p in _files(src, where):
             records.extend(_column(pq.read_table(p), src.field, where, str(p)))
-    elif src.type == "disk":
+        return records
+    if src.type == "disk":
         from datasets import load_from_disk
 
         if not Path(src.path).is_dir():
@@ -136,8 +150,8 @@ def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
             if src.split not in ds:
                 raise DataError(f"{where}.split: {src.split!r} not in {src.path} (splits: {', '.join(ds)})")
             ds = ds[src.split]
-        records = _column(ds, src.field, where, src.path)
-    elif src.type == "hub":
+        return _column(ds, src.field, where, src.path)
+    if src.type == "hub":
         try:
             from datasets import load_dataset
 
@@ -146,23 +160,19 @@ def read_documents(src: DataSource, where: str, tokenizer) -> list[str]:
             raise DataError(f"{where}: hub dataset {src.path!r} could not be loaded ({type(exc).__name__}); "
                             "this machine may be offline: save it with save_to_disk elsewhere and use "
                             "type: disk") from None
-        records = _column(ds, src.field, where, src.path)
-    else:  # pragma: no cover - the recipe schema forbids it
-        raise DataError(f"{where}.type: {src.type!r} is not supported")
+        return _column(ds, src.field, where, src.path)
+    raise DataError(f"{where}.type: {src.type!r} is not supported")  # pragma: no cover - the schema forbids it
 
-    if src.type == "chat":
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError(f"{where}: type chat needs a tokenizer with a chat template; this one has none")
-        docs = []
-        for i, msgs in enumerate(records):
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in msgs):
-                raise DataError(f"{where}: record {i}: expected a list of {{role, content}} messages")
-            docs.append(tokenizer.apply_chat_template(msgs, tokenize=False))
-    else:
-        docs = [r for r in records if isinstance(r, str) and r.strip()]
-    if not docs:
-        raise DataError(f"{where}: {src.path!r} holds no non-empty text")
+
+def _chat_documents(records: list, where: str, tokenizer) -> list[str]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"{where}: type chat needs a tokenizer with a chat template; this one has none")
+    docs = []
+    for i, msgs in enumerate(records):
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in msgs):
+            raise DataError(f"{where}: record {i}: expected a list of {{role, content}} messages")
+        docs.append(tokenizer.apply_chat_template(msgs, tokenize=False))
     return docs
 
 

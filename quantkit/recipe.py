@@ -17,10 +17,10 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from quantkit.evaluate.names import is_metric_name
-from quantkit.quantize.methods import QUANTIZERS, STAGE_CLASSES
+from quantkit.algorithms.registry import QUANTIZERS, STAGE_CLASSES, method_of
 from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES
-from quantkit.stages import Strict
+from quantkit.strict import Strict
 
 
 class RecipeError(ValueError):
@@ -313,24 +313,30 @@ class Recipe(Strict):
                     f"add a quantizer stage after it ({', '.join(QUANTIZERS)})"
                 raise ValueError(f"stages[{i}].method: {st.method!r} is a transform and must be followed by the "
                                  f"quantizer stages it prepares: {where}")
-            if st.method == "smoothquant" and not any(get_scheme_acts(self.stages[q].scheme) for q in quant):
-                raise ValueError(f"stages[{i}].method: 'smoothquant' prepares activation quantization, but no "
+            if method_of(st).needs_quantized_activations and \
+                    not any(get_scheme_acts(self.stages[q].scheme) for q in quant):
+                raise ValueError(f"stages[{i}].method: {st.method!r} prepares activation quantization, but no "
                                  "quantizer stage quantizes activations (use W8A8 or FP8_DYNAMIC, or 'awq' for "
                                  "weight-only schemes)")
         return self
 
     @model_validator(mode="after")
-    def _qat_last(self) -> "Recipe":
-        qat = [i for i, st in enumerate(self.stages) if st.method == "qat"]
-        if qat and qat[-1] != len(self.stages) - 1:
-            raise ValueError(f"stages[{qat[-1]}].method: 'qat' must be the last stage (it fine-tunes what the "
-                             f"stages before it produced): move it after stages[{len(self.stages) - 1}]")
-        if len(qat) > 1:
-            raise ValueError(f"stages[{qat[0]}].method: only one 'qat' stage is allowed (found {len(qat)}); "
-                             "keep the last one")
-        st = self.stages[qat[0]] if qat else None
-        if st is not None and st.warmup_steps >= st.steps:
-            raise ValueError(f"stages[{qat[0]}].warmup_steps: {st.warmup_steps} must be below steps ({st.steps})")
+    def _last_stages_last(self) -> "Recipe":
+        last = [i for i, st in enumerate(self.stages) if method_of(st).must_come_last]
+        if last and last[-1] != len(self.stages) - 1:
+            raise ValueError(f"stages[{last[-1]}].method: {self.stages[last[-1]].method!r} must be the last stage (it "
+                             f"fine-tunes what the stages before it produced): move it after "
+                             f"stages[{len(self.stages) - 1}]")
+        if len(last) > 1:
+            raise ValueError(f"stages[{last[0]}].method: only one {self.stages[last[0]].method!r} stage is allowed "
+                             f"(found {len(last)}); keep the last one")
+        return self
+
+    @model_validator(mode="after")
+    def _stage_problems(self) -> "Recipe":
+        for i, st in enumerate(self.stages):
+            for field_name, problem in st.problems():
+                raise ValueError(f"stages[{i}].{field_name}: {problem}")
         return self
 
     @model_validator(mode="after")
@@ -341,10 +347,11 @@ class Recipe(Strict):
             raise ValueError("kv_cache: FP8 k/v scales are calibrated from the keys and values the attention sees, "
                              "so the recipe needs calibration data: add a `calibration:` section (e.g. sources: "
                              "[{type: builtin, name: prose}]), or remove kv_cache")
-        if any(st.method == "qat" for st in self.stages):
-            raise ValueError("kv_cache: the k/v scales are calibrated in the quantizing pass, and a qat stage changes "
-                             "k_proj / v_proj after it (the scales would not fit the trained weights); remove the "
-                             "qat stage or kv_cache")
+        changes_kv = [st.method for st in self.stages if not method_of(st).keeps_kv_scales]
+        if changes_kv:
+            raise ValueError(f"kv_cache: the k/v scales are calibrated in the quantizing pass, and a {changes_kv[0]} "
+                             "stage changes k_proj / v_proj after it (the scales would not fit the trained weights); "
+                             f"remove the {changes_kv[0]} stage or kv_cache")
         return self
 
     @model_serializer(mode="wrap")

@@ -10,7 +10,8 @@ from conftest import tiny_recipe
 from quantkit.model.arch import arch_for
 from quantkit.model.checkpoint import LazyCheckpoint, build_skeleton
 from quantkit.plan import make_plan
-from quantkit.quantize.layers import Job, capture_layer_inputs
+from quantkit.quantize.layers import Job
+from quantkit.quantize.walk import capture_layer_inputs
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.recipe import parse_recipe
 
@@ -37,7 +38,7 @@ def transform_float_model(model_dir, calib_dir, stages):
     ids = calibration_ids(recipe, model_dir)
     hidden, kwargs_by_size = capture_layer_inputs(build_skeleton(model_dir, "float32"), arch, LazyCheckpoint(model_dir),
                                                   ids, torch.float32, ids.shape[0])
-    job = Job(recipe, torch.bfloat16)
+    job = Job(plan, torch.bfloat16)
     stats: dict = {}
     for i, lp in enumerate(plan.layers):  # the float layer input is the same before and after transforms
         kwargs = kwargs_by_size[ids.shape[0]][i]

@@ -14,9 +14,10 @@ import conftest
 from conftest import make_tiny_model, tiny_recipe
 from quantkit import api
 from quantkit.algorithms.awq import awq_clip, awq_search
+from quantkit.algorithms.contract import MappingTargets
 from quantkit.algorithms.rtn import rtn
 from quantkit.algorithms.smoothing import block_error, channel_index, reduce_to_channels
-from quantkit.fakequant import fake_quant_model
+from quantkit.export.reader import fake_quant_model
 from quantkit.model import ModelError
 from quantkit.model.arch import ARCHS
 from quantkit.recipe import RecipeError, parse_recipe
@@ -47,7 +48,7 @@ def test_awq_lowers_block_error_vs_rtn_on_outlier_inputs():
     w = torch.randn(96, 64) * 0.05  # [out, in]
     x, held_out = outlier_inputs(2048, 64, seed=0), outlier_inputs(2048, 64, seed=1)
     idx = torch.arange(64)
-    r = awq_search(x, x.abs().mean(0), [w], [W4G32], [None], idx, 64, grid=20)
+    r = awq_search(x, x.abs().mean(0), MappingTargets([w], [W4G32], [None], idx, 64), grid=20)
     assert r.alpha is not None and r.error_after < 0.8 * r.error_before
     # the scales generalise to tokens the search did not see
     rtn_err = block_error(held_out, [w], [W4G32], [None], None)
@@ -63,7 +64,7 @@ def test_awq_scales_up_the_known_outlier_channel():
     w = torch.randn(32, 64) * 0.05
     x = torch.randn(1024, 64)
     x[:, 5] *= 30.0
-    r = awq_search(x, x.abs().mean(0), [w], [W4G32], [None], torch.arange(64), 64, grid=10)
+    r = awq_search(x, x.abs().mean(0), MappingTargets([w], [W4G32], [None], torch.arange(64), 64), grid=10)
     assert r.alpha is not None and r.alpha > 0
     assert int(r.scales.argmax()) == 5 and float(r.scales[5]) > 2 * float(r.scales.median())
     assert r.error_after < 0.5 * r.error_before  # and it pays: the block error drops by half or more

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from conftest import REPO, make_tiny_model, tiny_recipe, write_recipe
 from quantkit import api
 from quantkit.cli import app
-from quantkit.fakequant import fake_quant_model
+from quantkit.export.reader import fake_quant_model
 from quantkit.plan import ConvertError
 from quantkit.recipe import parse_recipe
 
@@ -268,7 +268,7 @@ def test_chunked_forward_matches_one_chunk(tiny_llama, calib_text, tmp_path):
 def test_failure_inside_the_chunked_forward_stops_every_chunk(tiny_llama, calib_text, tmp_path, monkeypatch):
     import gc
 
-    from quantkit.quantize import layers
+    from quantkit.quantize import layers, walk
 
     calls = []
 
@@ -283,5 +283,5 @@ def test_failure_inside_the_chunked_forward_stops_every_chunk(tiny_llama, calib_
     with pytest.raises(ConvertError, match="simulated quantizer failure"):
         _convert(tiny_llama, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}], tmp_path / "o")
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, layers._Chunk) and o], "a chunk is left suspended"
+    assert not [o for o in gc.get_objects() if isinstance(o, walk._Chunk) and o], "a chunk is left suspended"
     assert torch.is_grad_enabled()  # the scheduler's grad mode is restored

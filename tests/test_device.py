@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_recipe
 from quantkit import hardware
 from quantkit.errors import QuantkitError
-from quantkit.quantize.layers import activation_placement
+from quantkit.quantize.walk import activation_placement
 
 AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
 AVX2 = {"avx2", "fma"}

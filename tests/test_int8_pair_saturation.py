@@ -1,11 +1,11 @@
-"""quantkit.engine.numerics.int8_gemm_int16_pairs: the emulation of oneDNN's s8s8 GEMM on a CPU without VNNI,
+"""quantkit.diagnostics.numerics.int8_gemm_int16_pairs: the emulation of oneDNN's s8s8 GEMM on a CPU without VNNI,
 which tests/test_engine_numerics.py holds vLLM's output to there. Expectations are worked out by hand."""
 
 from __future__ import annotations
 
 import torch
 
-from quantkit.engine.numerics import int8_gemm_int16_pairs
+from quantkit.diagnostics.numerics import int8_gemm_int16_pairs
 
 
 def _i8(rows):

@@ -85,7 +85,7 @@ def _calibration_ids(recipe) -> torch.Tensor:
 def test_scales_are_amax_over_448_of_the_quantized_models_post_rope_keys_and_values(tiny_llama, calib_text, tmp_path):
     """Per head and per tensor, against k/v recomputed here from the quantized model (the float model's
     maxima differ, so the test tells which model the pass observed)."""
-    from quantkit.fakequant import fake_quant_model
+    from quantkit.export.reader import fake_quant_model
 
     outs, caps = {}, {}
     for strategy in ("head", "tensor"):
@@ -291,7 +291,8 @@ def test_attention_observer_leaves_the_forward_unchanged(tmp_path):
     with torch.no_grad():
         want = m(ids).logits
     layer = m.model.layers[0]
-    obs = KVObserver.install(layer, "model.layers.0.", "self_attn", "head", ChunkLayout.of(2, 2, 16))
+    obs = KVObserver("model.layers.0.", "self_attn", "head", ChunkLayout.of(2, 2, 16))
+    obs.install(layer)
     try:
         assert m.config._attn_implementation == KV_ATTENTION
         with torch.no_grad():

@@ -191,7 +191,7 @@ def test_rare_experts_take_the_fallback(moe_model, calib_text, tmp_path):
 
 
 def test_router_is_refused_by_name_and_experts_keep_one_scheme(moe_model, calib_text, tmp_path):
-    from quantkit.engine.preflight import PreflightError
+    from quantkit.preflight import PreflightError
 
     family, model_dir = moe_model
     block = FAMILIES[family]
@@ -226,7 +226,7 @@ def test_moe_settings_are_checked():
 def test_preflight_small_model_keeps_sparse_and_dense_layers_apart(tmp_path):
     """Qwen3-MoE with a dense layer: the pre-flight's small model has one sparse and one dense layer, in the
     order of the plan's layouts, with every expert of the real config."""
-    from quantkit.engine import preflight as pf
+    from quantkit import preflight as pf
     from quantkit.model.arch import arch_for
     from quantkit.model.checkpoint import build_skeleton
     from quantkit.plan import make_plan

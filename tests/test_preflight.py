@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_recipe, write_recipe
 from quantkit.convert import convert
 from quantkit.engine import EngineError
-from quantkit.engine import preflight as pf
+from quantkit import preflight as pf
 from quantkit.recipe import load_recipe
 
 
@@ -79,7 +79,7 @@ def test_small_model_carries_every_layer_layout_of_a_mixed_recipe(tiny_llama, tm
            for lp in splan.layers]
     want = [{loc: (r.stages[s].scheme, r.stages[s].group_size) for loc, s in lay.items()} for lay in layouts]
     assert got == want
-    assert all(t.method == "rtn" for t in splan.targets.values())
+    assert all(t.quantizer.name == "rtn" for t in splan.targets.values())
     import json
     cfg = json.loads((small / "config.json").read_text())
     real = json.loads((Path(r.model.path) / "config.json").read_text())

@@ -18,7 +18,7 @@ def test_engine_refuses_asymmetric_w8a8_before_calibration(tmp_path, monkeypatch
     pytest.importorskip("vllm", reason="the engine pre-flight needs vLLM installed")
     import quantkit.data
     from quantkit.convert import convert
-    from quantkit.engine.preflight import PreflightError
+    from quantkit.preflight import PreflightError
     from quantkit.recipe import load_recipe
 
     demo = Path(os.environ.get("QUANTKIT_REAL_HOME", Path.home() / ".cache" / "quantkit")) / "models" / "smollm2-135m"

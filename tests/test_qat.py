@@ -12,8 +12,8 @@ import torch
 
 from conftest import make_tiny_model, tiny_recipe
 from quantkit import api
-from quantkit import qat as qat_runner
-from quantkit.algorithms.qat import QATLinear, fake_quant_activations_ste, latent_init
+from quantkit.quantize import finetune as qat_runner
+from quantkit.algorithms.qat import QATFormat, QATLinear, fake_quant_activations_ste, latent_init
 from quantkit.algorithms.rtn import fake_quantize_activations, rtn
 from quantkit.recipe import RecipeError, parse_recipe
 from quantkit.schemes import ActivationSpec, WeightSpec
@@ -61,7 +61,7 @@ def _convert(model_dir, calib, stages, out, **kw):
 # ---------------------------------------------------------------------------------- gradients by hand
 def _one_group(spec, learn, w, s=0.125, z=None):
     m = QATLinear(torch.tensor([w]), None, torch.tensor([[s]]), None if z is None else torch.tensor([[float(z)]]),
-                  torch.zeros(4, dtype=torch.long), spec, None, learn, torch.bfloat16)
+                  torch.zeros(4, dtype=torch.long), QATFormat(spec, None, learn, torch.bfloat16))
     wq = m.quantized_weight()
     wq.backward(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
     return m, wq
@@ -98,7 +98,7 @@ def test_grouped_fake_quant_matches_the_indexed_one(spec):
     runs = []
     for grouped in (True, False):
         m = QATLinear(latent_init(w, deq, qp.scale.float()[:, torch.arange(64) // 16]), None, qp.scale,
-                      qp.zero_point, torch.arange(64) // 16, spec, None, True, torch.bfloat16)
+                      qp.zero_point, torch.arange(64) // 16, QATFormat(spec, None, True, torch.bfloat16))
         assert m._contiguous
         m._contiguous = grouped
         wq = m.quantized_weight()
@@ -128,7 +128,7 @@ def test_latent_start_keeps_the_ptq_codes():
     gptq_like = torch.round(gptq_like / s_cols).clamp(-8, 7) * s_cols
     for start in (deq, gptq_like):
         lat = latent_init(w, start, s_cols)
-        m = QATLinear(lat, None, qp.scale, None, g, spec, None, False, torch.bfloat16)
+        m = QATLinear(lat, None, qp.scale, None, g, QATFormat(spec, None, False, torch.bfloat16))
         assert torch.equal(m.export()[0], start)
         assert ((lat - start).abs() <= 0.45 * s_cols + 1e-7).all()
 
@@ -248,7 +248,7 @@ def test_early_stop_keeps_the_best_evaluation_not_the_last(peaky_llama, calib_te
 def test_keep_best_tracks_the_lowest_loss_and_min_delta_only_sets_the_patience():
     """A run whose held-out KL keeps falling by less than min_delta: every new low is the kept weights (the
     export is never a worse evaluation than one already seen), while the patience counter runs on."""
-    from quantkit.qat import judge
+    from quantkit.quantize.finetune import judge
 
     kls, best, waited, kept, stops = [0.30, 0.20, 0.1995, 0.1992, 0.25, 0.1990], 1e9, 0, [], []
     for step, kl in enumerate(kls):
@@ -269,7 +269,7 @@ def test_w8a8_qat_after_gptq_reloads(peaky_llama, calib_text, tmp_path):
     assert man["qat"]["starts_from"] == ["gptq"] and man["qat"]["loss"] == "ce"
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "int-quantized" and cfg["config_groups"]["group_0"]["input_activations"]["dynamic"]
-    from quantkit.fakequant import fake_quant_model
+    from quantkit.export.reader import fake_quant_model
     from transformers import AutoModelForCausalLM
 
     ref = fake_quant_model(peaky_llama, r, cap)

@@ -167,8 +167,9 @@ def test_typed_result_round_trips_through_the_work_folder_form(name, group, acto
     exact dequantized weight and parameters, and a weight off its own grid is refused."""
     from safetensors.torch import load_file
 
-    from quantkit.plan import ConvertError, LayerPlan, Target
-    from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+    from quantkit.algorithms.registry import QUANTIZERS
+    from quantkit.plan import ConvertError, LayerPlan, PlanStage, Target
+    from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
     from quantkit.quantize.workdir import decode_layer, save_typed
 
     scheme = get_scheme(name).with_overrides(group_size=group)
@@ -182,7 +183,8 @@ def test_typed_result_round_trips_through_the_work_folder_form(name, group, acto
         deq, qp = rtn(w, scheme.weights)
         q = QuantizedWeight(deq, qp.scale, qp.zero_point)
     norm = torch.rand(128).to(torch.bfloat16)
-    t = Target("m.proj", 0, "rtn", scheme, None)
+    rtn_entry = QUANTIZERS["rtn"]
+    t = Target("m.proj", PlanStage(0, None, rtn_entry, scheme), rtn_entry)
     path = tmp_path / "00000.safetensors"
     save_typed(path, [ModuleResult("m.proj", {}, q, scheme.weights, {"m.norm.weight": norm})])
     stored = load_file(str(path))

@@ -13,8 +13,9 @@ from _transforms import logits, outlier_inputs, transform_float_model
 from conftest import make_tiny_model, tiny_recipe
 from quantkit import api
 from quantkit.algorithms.smoothing import block_error
+from quantkit.algorithms.contract import MappingTargets
 from quantkit.algorithms.smoothquant import smoothquant, smoothquant_scales
-from quantkit.fakequant import fake_quant_model
+from quantkit.export.reader import fake_quant_model
 from quantkit.recipe import RecipeError, parse_recipe
 from quantkit.schemes import get_scheme
 
@@ -38,7 +39,8 @@ def test_smoothquant_lowers_w8a8_error_on_activation_outliers():
     torch.manual_seed(0)
     w = torch.randn(96, 64) * 0.05
     x, held_out = outlier_inputs(1024, 64, factor=60.0, seed=0), outlier_inputs(1024, 64, factor=60.0, seed=1)
-    r = smoothquant(x, x.abs().amax(0), [w], [W8A8.weights], [W8A8.activations], torch.arange(64), 64, alpha=0.5)
+    r = smoothquant(x, x.abs().amax(0), MappingTargets([w], [W8A8.weights], [W8A8.activations], torch.arange(64), 64),
+                    alpha=0.5)
     assert r.applied and r.error_after < 0.5 * r.error_before
     before = block_error(held_out, [w], [W8A8.weights], [W8A8.activations], None)
     after = block_error(held_out, [w], [W8A8.weights], [W8A8.activations], r.scales)
@@ -52,7 +54,8 @@ def test_smoothquant_scales_formula_and_guard():
     w = torch.randn(32, 64) * 0.05
     w[:, 5] *= 50
     x = torch.randn(256, 64)
-    r = smoothquant(x, x.abs().amax(0), [w], [W8A8.weights], [W8A8.activations], torch.arange(64), 64, alpha=1.0)
+    r = smoothquant(x, x.abs().amax(0), MappingTargets([w], [W8A8.weights], [W8A8.activations], torch.arange(64), 64),
+                    alpha=1.0)
     assert not r.applied and torch.equal(r.scales, torch.ones(64)) and r.error_after == r.error_before
 
 

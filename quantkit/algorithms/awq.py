@@ -39,9 +39,9 @@ from pydantic import Field
 
 from quantkit.algorithms.rtn import _minmax_qparams, dequantize_codes, group_size_for, quantize_codes
 from quantkit.algorithms.smoothing import block_error, normalize_scales, reduce_to_channels
-from quantkit.quantize.contract import ChannelStats, TransformScales
-from quantkit.schemes import ActivationSpec, WeightSpec
-from quantkit.stages import TransformStage
+from quantkit.algorithms.contract import ChannelStats, MappingTargets, TransformScales
+from quantkit.schemes import WeightSpec
+from quantkit.algorithms.base import TransformStage
 
 NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj)$")  # their errors are amplified by the softmax
 
@@ -70,14 +70,13 @@ def weight_column_means(weights: list[torch.Tensor], specs: list[WeightSpec]) ->
     return torch.cat(rows, 0).mean(0)
 
 
-def awq_search(x: torch.Tensor, x_mean: torch.Tensor, weights: list[torch.Tensor], specs: list[WeightSpec],
-               acts: list[ActivationSpec | None], idx: torch.Tensor, channels: int, grid: int = 20,
-               duo_scaling: bool = True, scale_dtype: torch.dtype = torch.bfloat16) -> AWQResult:
+def awq_search(x: torch.Tensor, x_mean: torch.Tensor, m: MappingTargets, grid: int = 20, duo_scaling: bool = True,
+               scale_dtype: torch.dtype = torch.bfloat16) -> AWQResult:
     """Search the scale exponent for one mapping.
 
-    x [tokens, in]: sampled float inputs of the targets; x_mean [in]: mean |x| over all calibration tokens;
-    idx [in]: target column -> preceding channel (see smoothing.channel_index).
+    x [tokens, in]: sampled float inputs of the targets; x_mean [in]: mean |x| over all calibration tokens.
     """
+    weights, specs, acts, idx, channels = m.weights, m.specs, m.acts, m.idx, m.channels
     x = x.float()
     xm = reduce_to_channels(x_mean.float(), idx, channels, "mean").clamp(min=1e-8)  # [channels]
     wm = reduce_to_channels(weight_column_means(weights, specs), idx, channels, "mean").clamp(min=1e-8)
@@ -147,11 +146,8 @@ class AWQStage(TransformStage):
     max_tokens: int = Field(2048, ge=16, description="calibration tokens used in the searches (evenly sampled)")
 
 
-def choose_scales(stats: ChannelStats, weights: list[torch.Tensor], specs: list[WeightSpec],
-                  acts: list[ActivationSpec | None], idx: torch.Tensor, channels: int, stage: AWQStage,
-                  scale_dtype: torch.dtype) -> TransformScales:
-    r = awq_search(stats.sample, stats.abs_mean, weights, specs, acts, idx, channels, stage.grid,
-                   stage.duo_scaling, scale_dtype)
+def choose_scales(stats: ChannelStats, m: MappingTargets, stage: AWQStage, scale_dtype: torch.dtype) -> TransformScales:
+    r = awq_search(stats.sample, stats.abs_mean, m, stage.grid, stage.duo_scaling, scale_dtype)
     return TransformScales(r.scales, r.alpha is not None, r.error_before, r.error_after, {"alpha": r.alpha})
 
 

@@ -35,9 +35,9 @@ from pydantic import Field
 
 from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
                                     quantize_codes)
-from quantkit.quantize.contract import Observations, QuantizedWeight
+from quantkit.algorithms.contract import Observations, QuantizedWeight
 from quantkit.schemes import WeightSpec
-from quantkit.stages import QuantizerStage
+from quantkit.algorithms.base import QuantizerStage
 
 
 SYRK_MAX_BYTES = 2 ** 31  # the largest Hessian buffer the CPU's triangle-only (ssyrk) update is used for
@@ -219,8 +219,8 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     group_scale = torch.empty(out_f, n_groups, device=W.device)
     group_zp = torch.empty(out_f, n_groups, device=W.device) if zp_cols is not None else None
 
-    _column_loop(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g,
-                 block_size, scale_dtype, gscale)
+    _column_loop(_Sweep(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, scale_dtype,
+                        gscale), block_size)
 
     g_idx = None
     if perm is not None:
@@ -234,13 +234,34 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     return GPTQResult(Q, qparams, g_idx, losses, f.damping)
 
 
-def _column_loop(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, block_size,
-                 scale_dtype, global_scale=None) -> None:
+@dataclass
+class _Sweep:
+    """One GPTQ column sweep over (permuted) columns: the tensors it updates in place and what it quantizes to."""
+
+    W: torch.Tensor  # [out, in] the weight, updated as the error of each quantized column is spread
+    U: torch.Tensor  # [in, in] the upper Cholesky factor of the inverse Hessian
+    Q: torch.Tensor  # [out, in] the dequantized result
+    losses: torch.Tensor  # [out]
+    scale_cols: torch.Tensor  # [out, in] the scale of each column
+    zp_cols: torch.Tensor | None  # [out, in] its zero point (asymmetric int only)
+    group_scale: torch.Tensor  # [out, n_groups]: group actorder chooses them on the way
+    group_zp: torch.Tensor | None
+    qp_static: QParams | None  # static groups (and none): fixed up front
+    spec: WeightSpec
+    g: int  # group size
+    scale_dtype: torch.dtype
+    global_scale: torch.Tensor | None = None  # NVFP4
+
+
+def _column_loop(s: _Sweep, block_size: int) -> None:
     """The GPTQ sweep over (permuted) columns, in blocks of `block_size`; updates W, Q, losses in place.
 
     Inside a block the weights are held transposed ([b, out]) so that every column the sweep touches
     is one contiguous row: about 2x faster on the CPU than strided column access.
     """
+    W, U, Q, losses, spec, g = s.W, s.U, s.Q, s.losses, s.spec, s.g
+    scale_cols, zp_cols, group_scale, group_zp, qp_static = s.scale_cols, s.zp_cols, s.group_scale, s.group_zp, s.qp_static
+    scale_dtype, global_scale = s.scale_dtype, s.global_scale
     in_f = W.shape[1]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)

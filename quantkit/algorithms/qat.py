@@ -22,6 +22,8 @@ Left out: learned zero points, learned rounding (AdaRound), fp8 weights, mixed-p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.algorithms.rtn import fake_quantize_activations
 from quantkit.schemes import SCHEMES, ActivationSpec, WeightSpec
-from quantkit.stages import QuantizerStage
+from quantkit.algorithms.base import QuantizerStage
 
 LATENT_MARGIN = 0.45  # the latent weight stays within +-0.45 of a step of its PTQ code
 
@@ -130,6 +132,17 @@ def latent_init(w_float: torch.Tensor, deq: torch.Tensor, s_cols: torch.Tensor,
     return deq + torch.maximum(torch.minimum(w_float - deq, step), -step)
 
 
+@dataclass(frozen=True)
+class QATFormat:
+    """How a QATLinear fake-quantizes: its weight (and activation) format, whether it learns its scales, and
+    the dtype the scales are stored in."""
+
+    spec: WeightSpec
+    act: ActivationSpec | None = None
+    learn_scale: bool = True
+    scale_dtype: torch.dtype = torch.bfloat16
+
+
 class QATLinear(nn.Module):
     """A Linear whose forward uses fake-quantized weights (and activations), trained through the STE.
 
@@ -139,11 +152,11 @@ class QATLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
-                 zero_point: torch.Tensor | None, g_idx: torch.Tensor, spec: WeightSpec,
-                 act: ActivationSpec | None, learn_scale: bool, scale_dtype: torch.dtype):
+                 zero_point: torch.Tensor | None, g_idx: torch.Tensor, fmt: QATFormat):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.spec, self.act, self.learn_scale, self.scale_dtype = spec, act, learn_scale, scale_dtype
+        spec, learn_scale = fmt.spec, fmt.learn_scale
+        self.spec, self.act, self.learn_scale, self.scale_dtype = spec, fmt.act, learn_scale, fmt.scale_dtype
         self.weight = nn.Parameter(weight.detach().float().clone())
         self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False) if bias is not None else None
         if learn_scale:
@@ -228,7 +241,7 @@ class EarlyStop(BaseModel):
 
 
 class QATStage(QuantizerStage):
-    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/qat.py.
+    """Quantization-aware training (fake quantization + straight-through estimator), see quantkit/quantize/finetune.py.
 
     Must be the last stage. It fine-tunes every module the stages before it quantized (keeping their
     schemes, starting from their result); modules only it targets start from round-to-nearest.
@@ -273,3 +286,8 @@ class QATStage(QuantizerStage):
     @property
     def needs_calibration(self) -> bool:
         return True  # the training text comes from the calibration sources
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.warmup_steps >= self.steps:
+            return [("warmup_steps", f"{self.warmup_steps} must be below steps ({self.steps})")]
+        return []

@@ -24,9 +24,9 @@ from typing import Literal
 
 import torch
 
-from quantkit.quantize.contract import Observations, QuantizedWeight
+from quantkit.algorithms.contract import Observations, QuantizedWeight
 from quantkit.schemes import ActivationSpec, WeightSpec
-from quantkit.stages import QuantizerStage
+from quantkit.algorithms.base import QuantizerStage
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 FP4_MAX = 6.0  # e2m1: the representable magnitudes are FP4_GRID

@@ -28,9 +28,8 @@ import torch
 from pydantic import Field
 
 from quantkit.algorithms.smoothing import block_error, reduce_to_channels
-from quantkit.quantize.contract import ChannelStats, TransformScales
-from quantkit.schemes import ActivationSpec, WeightSpec
-from quantkit.stages import TransformStage
+from quantkit.algorithms.contract import ChannelStats, MappingTargets, TransformScales
+from quantkit.algorithms.base import TransformStage
 
 
 @dataclass
@@ -49,10 +48,10 @@ def smoothquant_scales(x_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: fl
     return torch.where(ok, s, torch.ones_like(s)).clamp(1e-5, 1e5)
 
 
-def smoothquant(x: torch.Tensor, x_absmax: torch.Tensor, weights: list[torch.Tensor], specs: list[WeightSpec],
-                acts: list[ActivationSpec | None], idx: torch.Tensor, channels: int, alpha: float = 0.5,
+def smoothquant(x: torch.Tensor, x_absmax: torch.Tensor, m: MappingTargets, alpha: float = 0.5,
                 scale_dtype: torch.dtype = torch.bfloat16) -> SmoothQuantResult:
     """Scales for one mapping. x [tokens, in]: sampled inputs; x_absmax [in]: over all calibration tokens."""
+    weights, specs, acts, idx, channels = m.weights, m.specs, m.acts, m.idx, m.channels
     w_absmax = torch.cat([w.float().abs() for w in weights], 0).amax(0)  # [in]
     s = smoothquant_scales(reduce_to_channels(x_absmax.float(), idx, channels, "max"),
                            reduce_to_channels(w_absmax, idx, channels, "max"), alpha)
@@ -73,9 +72,8 @@ class SmoothQuantStage(TransformStage):
     max_tokens: int = Field(4096, ge=16, description="tokens used to check the W8A8 error before/after")
 
 
-def choose_scales(stats: ChannelStats, weights: list[torch.Tensor], specs: list[WeightSpec],
-                  acts: list[ActivationSpec | None], idx: torch.Tensor, channels: int, stage: SmoothQuantStage,
+def choose_scales(stats: ChannelStats, m: MappingTargets, stage: SmoothQuantStage,
                   scale_dtype: torch.dtype) -> TransformScales:
-    r = smoothquant(stats.sample, stats.abs_max, weights, specs, acts, idx, channels, stage.alpha, scale_dtype)
+    r = smoothquant(stats.sample, stats.abs_max, m, stage.alpha, scale_dtype)
     return TransformScales(r.scales, r.applied, r.error_before, r.error_after,
                            {"alpha": stage.alpha, "applied": r.applied})

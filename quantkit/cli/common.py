@@ -47,7 +47,7 @@ def _classes() -> list[tuple[tuple[type[BaseException], ...], int]]:
     from quantkit.gates import GateError
     from quantkit.model import ModelError
     from quantkit.plan import ConvertError
-    from quantkit.qat import QATError
+    from quantkit.quantize.finetune import QATError
     from quantkit.recipe import RecipeError
     from quantkit.registry.base import RegistryError
 

@@ -41,7 +41,7 @@ def convert(
     on one machine, the ranks split the work; see docs/distributed.md.
     """
     from quantkit import api
-    from quantkit.engine.preflight import MODES
+    from quantkit.preflight import MODES
     from quantkit.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or [])  # refuse a bad recipe once, before any process starts

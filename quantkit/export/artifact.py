@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from quantkit.export.compressed_tensors import compress_linear, quantization_config, write_config
-from quantkit.export.manifest import MANIFEST, build_manifest
+from quantkit.export.manifest import MANIFEST, RunFacts, build_manifest
 from quantkit.export.shards import refs_from_checkpoint, write_shards
 from quantkit.io import atomic_write_json, peak_rss_bytes
 from quantkit.model.checkpoint import LazyCheckpoint
@@ -54,25 +55,23 @@ def compress_results(plan: Plan, typed_files: list[Path], out_dir: Path, scale_d
 
 
 def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, produced: LazyCheckpoint, plan: Plan,
-                   stats: dict[str, dict], max_shard_bytes: int, extra_files: list[Path], manifest_facts: dict,
-                   started: float) -> dict:
+                   stats: dict[str, dict], extra_files: list[Path], facts: RunFacts) -> dict:
     """Write the artifact into the empty `export_dir`; returns its manifest.
 
     `source` is the model's own checkpoint; `produced` the compressed tensors and rewritten float tensors
-    (the work folder's layer files, or QAT's export file); `stats` the per-module diagnostics;
-    `manifest_facts` what the manifest records of the run (see export.manifest.build_manifest), to which
-    the conversion's wall time since `started` (time.perf_counter) and its peak memory are added here,
-    once everything but the manifest is written.
+    (the work folder's layer files, or QAT's export file); `stats` the per-module diagnostics; `facts` what
+    the manifest records of the run, to which the conversion's wall time since `facts.started` and its peak
+    memory are added here, once everything but the manifest is written.
     """
     produced_refs = refs_from_checkpoint(produced)
     # the float weights the compressed tensors replace, and any stored tensor the pipeline rewrote
     # (norm weights and biases a transform stage folded its scales into)
     replaced = {m + ".weight" for m in stats} | {r.name for r in produced_refs}
     kept = refs_from_checkpoint(source, [k for k in source.keys() if k not in replaced])
-    write_shards(export_dir, kept + produced_refs, max_shard_bytes)
-    recipe = manifest_facts["recipe"]
+    write_shards(export_dir, kept + produced_refs, facts.recipe.export.max_shard_size_mb * 1024 * 1024)
+    kv_spec = plan.kv_cache.spec if plan.kv_cache is not None else None
     write_config(model_dir / "config.json", export_dir,
-                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(recipe.kv_cache)))
+                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(kv_spec)))
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, export_dir / name)
@@ -81,9 +80,8 @@ def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, pr
     for f in export_dir.iterdir():
         f.chmod(0o644)
     fmt = json.loads((export_dir / "config.json").read_text())["quantization_config"]["format"]
-    conversion = {"wall_time_s": round(time.perf_counter() - started, 2), "peak_rss_bytes": peak_rss_bytes(),
-                  **manifest_facts["conversion"]}
-    manifest = build_manifest(export_dir, plan=plan, stats=stats, fmt=fmt,
-                              **{**manifest_facts, "conversion": conversion})
+    conversion = {"wall_time_s": round(time.perf_counter() - facts.started, 2), "peak_rss_bytes": peak_rss_bytes(),
+                  **facts.conversion}
+    manifest = build_manifest(export_dir, plan, stats, fmt, replace(facts, conversion=conversion))
     atomic_write_json(export_dir / MANIFEST, manifest)
     return manifest

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -34,11 +35,24 @@ def file_table(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str
             for p in sorted(folder.iterdir()) if p.is_file() and p.name not in exclude}
 
 
-def build_manifest(export_dir: Path, *, recipe, plan, stats: dict[str, dict], fmt: str, base_model: dict,
-                   recipe_sha256: str, calibration: dict | None, conversion: dict, qat: dict | None = None) -> dict:
+@dataclass
+class RunFacts:
+    """What the manifest records of the conversion that made an artifact."""
+
+    recipe: object  # quantkit.recipe.Recipe
+    recipe_sha256: str
+    base_model: dict  # path, resolved folder, fingerprint, description
+    calibration: dict | None
+    conversion: dict  # device, dtypes, processes, pre-flight...; wall time and peak memory are added at the end
+    qat: dict | None = None
+    started: float = 0.0  # time.perf_counter() when the conversion started
+
+
+def build_manifest(export_dir: Path, plan, stats: dict[str, dict], fmt: str, facts: RunFacts) -> dict:
     """The manifest of a finished export folder (every file in it is listed with its sha256 and size)."""
     from quantkit.quantize.kvcache import manifest_section
 
+    recipe = facts.recipe
     stats = {k: dict(v) for k, v in stats.items()}
     qc = json.loads((export_dir / "config.json").read_text()).get("quantization_config") or {}
     kv_cache = manifest_section(getattr(recipe, "kv_cache", None), qc.get("kv_cache_scheme"), stats)
@@ -46,21 +60,21 @@ def build_manifest(export_dir: Path, *, recipe, plan, stats: dict[str, dict], fm
         "schema": SCHEMA,
         "name": recipe.name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "base_model": base_model,
+        "base_model": facts.base_model,
         "recipe": recipe.model_dump(mode="json"),
-        "recipe_sha256": recipe_sha256,
-        "calibration": calibration,
+        "recipe_sha256": facts.recipe_sha256,
+        "calibration": facts.calibration,
         "quantization": {"stages": [{"method": s.method, "scheme": s.scheme} for s in recipe.stages],
                          "format": fmt, "modules_quantized": len(stats), "modules_kept": plan.unquantized,
                          **({"kv_cache": kv_cache} if kv_cache else {})},
         "layers": stats,
-        "conversion": conversion,
+        "conversion": facts.conversion,
         "versions": package_versions(),
         "files": file_table(export_dir),
     }
     manifest["size_bytes"] = sum(f["size"] for f in manifest["files"].values())
-    if qat:
-        manifest["qat"] = qat
+    if facts.qat:
+        manifest["qat"] = facts.qat
     return manifest
 
 

@@ -40,6 +40,14 @@ class ArchSpec:
     # take their attention groups from `sequential` and one (gate, up) and one (down) group per expert
     moe: MoESpec | None = None
 
+    def attention_module(self) -> str:
+        """The attention module of a decoder layer (local name): the parent of the architecture's k_proj."""
+        for group in self.sequential:
+            for local in group:
+                if local.endswith(".k_proj"):
+                    return local.rsplit(".", 1)[0]
+        raise ValueError(f"architecture {self.name!r} names no k_proj; its KV cache cannot be calibrated")
+
     def layer_groups(self, layer) -> tuple[tuple[str, ...], ...]:
         """The true-sequential groups of one decoder layer (a module of this family), local names."""
         block = is_moe_layer(layer, self)

@@ -1,25 +1,5 @@
-"""FP8 KV-cache scales, calibrated in the layer-wise pass (recipe `kv_cache:`).
-
-vLLM stores each key and value it caches as `fp8_e4m3(x / scale)` and reads it back as `code * scale`,
-one static scale per layer (strategy tensor) or per KV head (attn_head), for keys after RoPE (and after
-k_norm where the architecture has one) and for values. So the scale is amax / 448 (e4m3's largest
-finite value) of exactly those tensors.
-
-How they are observed: a quantkit attention function registered with transformers' `AttentionInterface`
-(`KV_ATTENTION`). While a layer's calibration chunks run (quantkit/quantize/layers.py run_layer), its
-attention module reads that implementation; the function records |k| and |v| maxima per KV head (the
-keys and values the attention kernel receives: post-RoPE, post-k_norm, before any repeat for grouped
-queries) and then calls the implementation the model was built with (sdpa, eager, ...), so the forward
-is unchanged.
-
-Which model's activations: the QUANTIZED model's. The pass feeds each layer the output of the already
-quantized layers before it, and attention runs after the layer's q/k/v group has been quantized (and,
-for W8A8/FP8 schemes, with the engine's dynamic activation quantization on k_proj/v_proj's input), so the
-scales describe the keys and values the served model will actually cache.
-
-Across calibration chunks and ranks the maxima are folded in global chunk order (quantkit/distributed.py
-ChunkFold), a max being exact in any order, so every rank ends with the same scales.
-"""
+"""FP8 KV-cache scales (recipe `kv_cache:`), calibrated in the layer walk from the keys and values the
+quantized model's attention receives: scale = amax / 448, per layer or per KV head. docs/design.md says how."""
 
 from __future__ import annotations
 
@@ -56,15 +36,6 @@ def kv_cache_args(spec):
 
     return QuantizationArgs(num_bits=8, type="float", strategy=STRATEGY_CT[spec.strategy], dynamic=False,
                             symmetric=True)
-
-
-def attention_path(arch) -> str:
-    """The attention module of a decoder layer (local name): the parent of the architecture's k_proj."""
-    for group in arch.sequential:
-        for local in group:
-            if local.endswith(".k_proj"):
-                return local.rsplit(".", 1)[0]
-    raise ValueError(f"architecture {arch.name!r} names no k_proj; its KV cache cannot be calibrated")
 
 
 def scale_names(prefix: str, attention: str) -> tuple[str, str]:
@@ -104,24 +75,21 @@ class KVObserver:
     """One layer's k/v maxima over the calibration chunks; `finish()` folds them across ranks and returns
     the scale tensors by checkpoint name.
 
-    Installed on the layer's attention module by `install` (its config's attention implementation becomes
-    KV_ATTENTION until `remove`); each chunk's attention call adds one payload, in this rank's chunk order."""
+    An observer of the layer walk (quantkit/quantize/walk.py): installed on the layer's attention module until
+    `remove`; each chunk's attention call adds one payload, in this rank's chunk order."""
 
-    def __init__(self, attn: nn.Module, names: tuple[str, str], strategy: str, layout: ChunkLayout):
-        self.attn, self.names, self.strategy = attn, names, strategy
-        self.inner = attn.config._attn_implementation
+    def __init__(self, prefix: str, attention: str, strategy: str, layout: ChunkLayout):
+        self.attention, self.names, self.strategy = attention, scale_names(prefix, attention), strategy
         self.amax: list[torch.Tensor | None] = [None, None]
         self.calls = 0
         self._fold = ChunkFold(layout, self._fold_max, eager=False)
 
-    @classmethod
-    def install(cls, layer: nn.Module, prefix: str, attention: str, strategy: str,
-                layout: ChunkLayout) -> "KVObserver":
-        attn = layer.get_submodule(attention)
-        obs = cls(attn, scale_names(prefix, attention), strategy, layout)
-        attn._quantkit_kv = obs
-        attn.config._attn_implementation = KV_ATTENTION
-        return obs
+    def install(self, layer: nn.Module) -> None:
+        """Observe the layer's attention module: its config's attention implementation becomes KV_ATTENTION."""
+        self.attn = layer.get_submodule(self.attention)
+        self.inner = self.attn.config._attn_implementation
+        self.attn._quantkit_kv = self
+        self.attn.config._attn_implementation = KV_ATTENTION
 
     def remove(self) -> None:
         self.attn.config._attn_implementation = self.inner

@@ -1,6 +1,6 @@
 """Transform stages (AWQ, SmoothQuant, any registered TransformMethod) inside the layer pipeline: per
 decoder layer, one float forward captures the inputs of every planned smoothing mapping, the method
-chooses the scales (quantkit/quantize/methods.py -> algorithms/<method>.py), and the scales are folded
+chooses the scales (quantkit/algorithms/registry.py -> algorithms/<method>.py), and the scales are folded
 into the preceding norm or Linear (algorithms/smoothing.py), which leaves the float output unchanged.
 
 The quantizing forward of the pipeline then runs on the transformed layer. The folded float tensors
@@ -21,8 +21,7 @@ from quantkit.algorithms.smoothing import channel_index, fold_into_linear_rows, 
 from quantkit.model import ModelError
 from quantkit.model.checkpoint import to_layer_device
 from quantkit.plan import Smoothing
-from quantkit.quantize.contract import ChannelStats
-from quantkit.quantize.methods import TRANSFORMS
+from quantkit.algorithms.contract import ChannelStats, MappingTargets
 
 
 class _Capture:
@@ -81,14 +80,14 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
 
     `pieces` are this rank's calibration chunks of `layout`, each with the layer's keyword arguments for
     its batch size (default: they are the whole batch); `job` is the conversion's
-    quantkit.quantize.layers.Job (recipe, scale dtype, hook).
+    quantkit.quantize.layers.Job (plan, scale dtype, hook).
     """
     layout = layout or ChunkLayout(tuple(h.shape[0] for h, _ in pieces), pieces[0][0].shape[1])
     caps: dict[int, _Capture] = {}
     prev_out: dict[int, _Capture] = {}
     handles = []
     for k, sm in enumerate(smoothings):
-        st = job.recipe.stages[sm.stage]
+        st = sm.stage.config
         caps[k] = _Capture(st.max_tokens, layout)
         first = layer.get_submodule(sm.targets[0].name[len(prefix):])
         handles.append(first.register_forward_pre_hook(lambda _m, args, c=caps[k]: c.add(args[0])))
@@ -123,14 +122,12 @@ def apply_transforms(layer: nn.Module, prefix: str, smoothings: list[Smoothing],
 
 def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capture | None,
                quantized_names) -> tuple[dict, dict[str, torch.Tensor]]:
-    st = job.recipe.stages[sm.stage]
-    method = TRANSFORMS[st.method]
+    st, method = sm.stage.config, sm.stage.method
     scale_dtype = job.scale_dtype
-    stats: dict = {"transform": st.method, "stage": sm.stage, "from": sm.prev}
+    stats: dict = {"transform": method.name, "stage": sm.stage.index, "from": sm.prev}
     prev = layer.get_submodule(sm.prev)
     mods = [layer.get_submodule(t.name[len(prefix):]) for t in sm.targets]
-    is_linear = isinstance(prev, nn.Linear)
-    channels = prev.out_features if is_linear else prev.weight.numel()
+    channels = prev.out_features if isinstance(prev, nn.Linear) else prev.weight.numel()
     parent = layer.get_submodule(sm.targets[0].name[len(prefix):].rpartition(".")[0] or "")
     idx = channel_index(channels, mods[0].in_features, getattr(parent, "head_dim", None))
     if idx is None:
@@ -143,34 +140,16 @@ def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capt
             raise ModelError(f"{prefix}{sm.prev}: the architecture spec says its output feeds "
                              f"{', '.join(t.name for t in sm.targets)}, but their input differs; fix the "
                              "smoothing mappings of this model family in quantkit/model/arch.py")
-    weights = [m.weight.detach().float() for m in mods]
-    specs = [t.scheme.weights for t in sm.targets]
-    acts = [t.scheme.activations for t in sm.targets]
-    r = method.choose_scales(cap.stats(), weights, specs, acts, idx, channels, st, scale_dtype)
-    s, applied = r.scales, r.applied
+    targets = MappingTargets([m.weight.detach().float() for m in mods], [t.scheme.weights for t in sm.targets],
+                             [t.scheme.activations for t in sm.targets], idx, channels)
+    r = method.choose_scales(cap.stats(), targets, st, scale_dtype)
     stats.update(r.stats)
     stats.update(error_before=float(f"{r.error_before:.6g}"), error_after=float(f"{r.error_after:.6g}"))
-
     tensors: dict[str, torch.Tensor] = {}
     s_eff = torch.ones(channels)
-    if applied:
-        if is_linear:
-            w, b = fold_into_linear_rows(prev.weight, prev.bias, s)
-            prev.weight.data = w.to(prev.weight.dtype)
-            if prev.bias is not None:
-                prev.bias.data = b.to(scale_dtype).to(prev.bias.dtype)
-                tensors[f"{prefix}{sm.prev}.bias"] = prev.bias.detach().to(scale_dtype).cpu().clone()
-            if f"{prefix}{sm.prev}" not in quantized_names:  # exported as a float weight
-                prev.weight.data = prev.weight.data.to(scale_dtype).to(prev.weight.dtype)
-                tensors[f"{prefix}{sm.prev}.weight"] = prev.weight.detach().to(scale_dtype).cpu().clone()
-            s_eff = s
-        else:
-            new, s_eff = fold_into_norm(prev.weight.detach(), s, sm.norm_offset, scale_dtype)
-            prev.weight.data = new.to(prev.weight.dtype)
-            tensors[f"{prefix}{sm.prev}.weight"] = new.to(scale_dtype).cpu().clone()
-        for m in mods:
-            m.weight.data = scale_columns(m.weight.detach(), s_eff[idx]).to(m.weight.dtype)
-        stats["scale_range"] = [float(f"{float(s.min()):.4g}"), float(f"{float(s.max()):.4g}")]
+    if r.applied:
+        s_eff, tensors = _fold(prefix, sm, prev, mods, r.scales, idx, scale_dtype, quantized_names)
+        stats["scale_range"] = [float(f"{float(r.scales.min()):.4g}"), float(f"{float(r.scales.max()):.4g}")]
     if method.refine is not None:
         xs = x / s_eff[idx][None, :]
         named = [(t.name, m.weight.detach().float(), t.scheme.weights) for t, m in zip(sm.targets, mods)]
@@ -183,3 +162,27 @@ def _apply_one(layer, prefix, sm: Smoothing, job, cap: _Capture, prev_cap: _Capt
         for name, tensor in tensors.items():
             job.on_weight(name, tensor.float().clone())
     return stats, tensors
+
+
+def _fold(prefix: str, sm: Smoothing, prev: nn.Module, mods: list[nn.Module], s: torch.Tensor, idx: torch.Tensor,
+          scale_dtype: torch.dtype, quantized_names) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Fold the scales into the preceding norm or Linear and scale the targets' columns, which leaves the
+    float output unchanged; returns the effective scales and the float tensors the export must write."""
+    tensors: dict[str, torch.Tensor] = {}
+    if isinstance(prev, nn.Linear):
+        w, b = fold_into_linear_rows(prev.weight, prev.bias, s)
+        prev.weight.data = w.to(prev.weight.dtype)
+        if prev.bias is not None:
+            prev.bias.data = b.to(scale_dtype).to(prev.bias.dtype)
+            tensors[f"{prefix}{sm.prev}.bias"] = prev.bias.detach().to(scale_dtype).cpu().clone()
+        if f"{prefix}{sm.prev}" not in quantized_names:  # exported as a float weight
+            prev.weight.data = prev.weight.data.to(scale_dtype).to(prev.weight.dtype)
+            tensors[f"{prefix}{sm.prev}.weight"] = prev.weight.detach().to(scale_dtype).cpu().clone()
+        s_eff = s
+    else:
+        new, s_eff = fold_into_norm(prev.weight.detach(), s, sm.norm_offset, scale_dtype)
+        prev.weight.data = new.to(prev.weight.dtype)
+        tensors[f"{prefix}{sm.prev}.weight"] = new.to(scale_dtype).cpu().clone()
+    for m in mods:
+        m.weight.data = scale_columns(m.weight.detach(), s_eff[idx]).to(m.weight.dtype)
+    return s_eff, tensors

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from quantkit.algorithms.rtn import dequantize_codes, quantize_codes
 from quantkit.io import atomic_write_json
 from quantkit.plan import ConvertError, LayerPlan
-from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
 from quantkit.schemes import WeightSpec
 
 TYPED_FIELDS = ("codes", "scale", "zero_point", "g_idx", "global_scale")

@@ -1,25 +1,6 @@
-"""The quantization-aware training stage: fine-tune the PTQ result with the quantization in the loop.
-
-`run()` is called by the convert verb after the layer-sequential pipeline, when the recipe's last stage
-is `qat`. It loads the float model once, on the conversion's device, puts in every quantized module's
-PTQ result (the typed results of the work folder's layer files, so a resumed conversion sees the same
-start) as a `QATLinear` (fake quantization, straight-through gradients, see quantkit/algorithms/qat.py), and trains
-it with AdamW against the float teacher's logits (KL, default) or the next token (cross-entropy). The
-teacher is the same module tree computing as the float model did (`Teacher`: each QATLinear uses its
-original weight, kept in the checkpoint's dtype, and folded norms are swapped back), so there is never
-a second model in memory. Only the quantized Linears' latent
-weights (and their scales when learned) train; embeddings, norms and lm_head stay as stored, so the
-export copies them unchanged. The trained modules are written back as typed layer files, in the work
-folder's form, and the export compresses them as it does the PTQ results.
-
-Data: the calibration sources, tokenized and cut into `seq_len` windows; a seeded `holdout_fraction`
-of each source's windows is held out for evaluation. The micro-batch for (step, i) is drawn from a
-generator seeded with (seed, step, i), so a resumed run sees exactly the batches it would have seen.
-
-Resume: every `checkpoint_every` steps the trainable tensors and the AdamW moments go to
-`ckpt-<step>.safetensors` (written under a temporary name, then renamed), then `state.json` (atomic)
-names it; a killed run restarts from the last checkpoint named there. No pickle anywhere.
-"""
+"""The fine-tune stage (QAT): train the post-training result with the quantization in the loop, against the
+float model's logits computed by the same module tree (no second model in memory), resumable from its own
+checkpoints; the trained modules go back as typed layer files. docs/design.md says how."""
 
 from __future__ import annotations
 
@@ -31,6 +12,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +20,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.algorithms.qat import QATLinear, latent_init
+from quantkit.algorithms.qat import QATFormat, QATLinear, latent_init
 from quantkit.data import DataError, pack_windows, read_documents
 from quantkit.io import atomic_write_json
 from quantkit.algorithms.qat import QATStage
 from quantkit.plan import Plan
-from quantkit.quantize.contract import ModuleResult, QuantizedWeight
+from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
 from quantkit.quantize.workdir import decode_layer, save_typed, split_layer
-from quantkit.recipe import CalibrationSpec, Recipe
+from quantkit.recipe import CalibrationSpec
 
 log = logging.getLogger("quantkit")
 BETAS = (0.9, 0.95)
@@ -54,6 +36,21 @@ MAX_GRAD_NORM = 1.0
 
 class QATError(RuntimeError):
     """A QAT problem, phrased for the user."""
+
+
+@dataclass(frozen=True)
+class FinetuneRun:
+    """What the fine-tune stage takes from the conversion: the plan (its last stage is this one) and where the
+    float model and the training text come from."""
+
+    plan: Plan
+    model_dir: Path
+    tokenizer: object
+    trust_remote_code: bool
+    scale_dtype: torch.dtype  # the checkpoint's dtype: scales and the original weights are kept in it
+    device: torch.device
+    quiet: bool = False
+    on_weight: Callable[[str, torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -99,27 +96,26 @@ def micro_batch(train: list[torch.Tensor], keys: list[tuple[int, int]]) -> torch
 
 
 # ---------------------------------------------------------------------------------------------- model
-def load_float(model_dir: Path, recipe: Recipe) -> nn.Module:
+def load_float(model_dir: Path, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True,
-                                                 trust_remote_code=recipe.model.trust_remote_code)
+                                                 trust_remote_code=trust_remote_code)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
 
 
-def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list[Path],
-                  device: torch.device) -> tuple[nn.Module, dict, "Teacher"]:
+def build_student(run: FinetuneRun, layer_files: list[Path]) -> tuple[nn.Module, dict, "Teacher"]:
     """The float model with every quantized Linear replaced by a QATLinear that starts at its PTQ result
     (the typed results of the work folder's layer files), and the teacher that computes the float model's
     logits through the same module tree (so only one model is ever in memory: the QATLinears keep their
     original weights in the checkpoint's dtype)."""
-    st: QATStage = recipe.stages[-1]
-    scale_dtype = getattr(torch, recipe.model.dtype)
+    plan, scale_dtype = run.plan, run.scale_dtype
+    st: QATStage = plan.finetune.config
     # after a transform (AWQ, SmoothQuant) the float weight is not the transformed one: start at the codes
-    nudge = not any(getattr(s, "is_transform", False) for s in recipe.stages)
-    model = load_float(model_dir, recipe)
+    nudge = not any(s.role == "transform" for s in plan.stages)
+    model = load_float(run.model_dir, run.trust_remote_code)
     params = dict(model.named_parameters())
     modules: dict[str, QATLinear] = {}
     originals: dict[str, torch.Tensor] = {}  # stored values of the float tensors a transform rewrote
@@ -135,15 +131,15 @@ def build_student(model_dir: Path, recipe: Recipe, plan: Plan, layer_files: list
                 lin = model.get_submodule(t.name)
                 g_idx = ptq.columns()  # [in] column -> group
                 latent = latent_init(lin.weight.float(), ptq.weight, ptq.scale[:, g_idx]) if nudge else ptq.weight
-                q = QATLinear(latent, lin.bias, ptq.scale, ptq.zero_point, g_idx,
-                              t.scheme.weights, t.scheme.activations, st.scales == "learned", scale_dtype)
+                fmt = QATFormat(t.scheme.weights, t.scheme.activations, st.scales == "learned", scale_dtype)
+                q = QATLinear(latent, lin.bias, ptq.scale, ptq.zero_point, g_idx, fmt)
                 if not torch.equal(q.export()[0], ptq.weight):
                     raise QATError(f"{t.name}: the QAT start does not reproduce the PTQ weights (internal error)")
                 q.keep_float(lin.weight, originals.get(t.name + ".bias", lin.bias), scale_dtype)
                 model.set_submodule(t.name, q)
                 modules[t.name] = q
-    model.to(device)
-    return model, modules, Teacher(model, modules, {k: v.to(device) for k, v in originals.items()})
+    model.to(run.device)
+    return model, modules, Teacher(model, modules, {k: v.to(run.device) for k, v in originals.items()})
 
 
 class Teacher:
@@ -388,34 +384,55 @@ def load_checkpoint(root: Path, params: dict[str, nn.Parameter], opt: torch.opti
 
 
 # ------------------------------------------------------------------------------------------------ run
-def optimizer_step(student, teacher, modules: dict[str, QATLinear], params: dict[str, nn.Parameter], opt,
-                   st: QATStage, train_w, weights, step: int, autocast: torch.dtype | None,
-                   targets: TeacherTargets | None = None) -> float:
-    """One optimizer step over `grad_accum` micro-batches; returns the step's loss. With `targets` the kd loss
-    uses the teacher's cached top-k instead of a teacher forward."""
-    device = next(student.parameters()).device
-    for g in opt.param_groups:
+@dataclass
+class Training:
+    """What every optimizer step of one run works with: the student and its teacher, the trainable QAT
+    modules, the stage config and the training windows (per source, with the sources' weights). `train`
+    adds the optimizer, the autocast dtype and the teacher's cached targets."""
+
+    student: nn.Module
+    teacher: "Teacher"
+    modules: dict[str, QATLinear]
+    st: QATStage
+    train_w: list[torch.Tensor]
+    weights: list[float]
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    opt: torch.optim.Optimizer | None = None
+    autocast: torch.dtype | None = None
+    targets: TeacherTargets | None = None  # kd from the teacher's cached top-k instead of a teacher forward
+
+    def __post_init__(self):
+        self.params = self.params or trainable(self.modules)
+        if self.opt is None:
+            self.opt = torch.optim.AdamW(list(self.params.values()), lr=self.st.lr, betas=BETAS, weight_decay=0.0)
+
+
+def optimizer_step(tr: Training, step: int) -> float:
+    """One optimizer step over `grad_accum` micro-batches; returns the step's loss."""
+    st = tr.st
+    device = next(tr.student.parameters()).device
+    for g in tr.opt.param_groups:
         g["lr"] = lr_at(step, st)
-    opt.zero_grad(set_to_none=True)
+    tr.opt.zero_grad(set_to_none=True)
     total = 0.0
-    for m in modules.values():  # fake-quantize each weight once per step, not once per micro-batch
+    for m in tr.modules.values():  # fake-quantize each weight once per step, not once per micro-batch
         m.begin_step()
     try:
         for micro in range(st.grad_accum):
-            keys = micro_rows(train_w, weights, st.seed, step, micro, st.batch_size)
-            ids = micro_batch(train_w, keys).to(device)
-            top = targets.get(keys, device) if targets is not None else None
-            loss = step_loss(student, teacher, ids, st.loss, autocast, top) / st.grad_accum
+            keys = micro_rows(tr.train_w, tr.weights, st.seed, step, micro, st.batch_size)
+            ids = micro_batch(tr.train_w, keys).to(device)
+            top = tr.targets.get(keys, device) if tr.targets is not None else None
+            loss = step_loss(tr.student, tr.teacher, ids, st.loss, tr.autocast, top) / st.grad_accum
             loss.backward()
             total += float(loss.detach())
-        pairs = [p for p in (m.end_step() for m in modules.values()) if p is not None]
+        pairs = [p for p in (m.end_step() for m in tr.modules.values()) if p is not None]
     finally:
-        for m in modules.values():
+        for m in tr.modules.values():
             m.end_step()
     if pairs:  # the accumulated gradients, through the fake quantization (STE / LSQ) once
         torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-    torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_GRAD_NORM)
-    opt.step()
+    torch.nn.utils.clip_grad_norm_(list(tr.params.values()), MAX_GRAD_NORM)
+    tr.opt.step()
     return total
 
 
@@ -426,103 +443,122 @@ def judge(best: float, waited: int, value: float, min_delta: float) -> tuple[boo
     return value < best, 0 if value < best - min_delta else waited + 1
 
 
-def train(student, teacher, modules, st: QATStage, train_w, weights, heldout, root: Path,
-          quiet: bool = False) -> dict:
+def train(tr: Training, heldout: torch.Tensor, root: Path, quiet: bool = False) -> dict:
     """Train, evaluating on the held-out windows every `eval_every` steps; stop early when the stage's
     `early_stop` rule says so; put the trainable tensors of the best evaluation back at the end."""
     from quantkit.hardware import compute_dtype
 
-    params = trainable(modules)
+    st, student = tr.st, tr.student
     device = next(student.parameters()).device
     dtype, why = compute_dtype(st.compute_dtype, device, field="the qat stage's compute_dtype")
-    autocast = torch.bfloat16 if dtype == "bfloat16" else None
+    tr.autocast = torch.bfloat16 if dtype == "bfloat16" else None
     log.info("qat: forward in %s (%s)", dtype, why)
-    opt = torch.optim.AdamW(list(params.values()), lr=st.lr, betas=BETAS, weight_decay=0.0)
-    state = load_checkpoint(root, params, opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0,
-                                                   "best": None, "stopped": None}
+    state = load_checkpoint(root, tr.params, tr.opt) or {"step": 0, "train_loss": [], "eval": [], "wall_time_s": 0.0,
+                                                         "best": None, "stopped": None}
     start = state["step"]
     resumed = start or None
     if start:
         log.info("qat: resuming after step %d", start)
-    key = "kl" if st.loss == "kd" else "ce"
-    min_delta = st.early_stop.min_delta if st.early_stop else 0.0
     held = HeldOut(heldout)
-    targets = TeacherTargets(teacher, train_w, st.teacher_topk, autocast) \
+    tr.targets = TeacherTargets(tr.teacher, tr.train_w, st.teacher_topk, tr.autocast) \
         if st.loss == "kd" and st.teacher_topk else None
     t0 = time.perf_counter() - state["wall_time_s"]
     if not state["eval"]:  # the PTQ start: the weights to keep if training never beats it
-        e = held.evaluate(student, teacher)
+        e = held.evaluate(student, tr.teacher)
         state["eval"].append({"step": 0, **e})
-        state["best"] = {"step": 0, key: e[key], "waited": 0, "file": save_best(root, 0, params)}
+        state["best"] = {"step": 0, _key(st): e[_key(st)], "waited": 0, "file": save_best(root, 0, tr.params)}
     draws = st.steps * st.grad_accum * st.batch_size  # the whole run's, so a resumed run decides the same
-    if targets is not None and not state["stopped"] and draws >= sum(len(t) for t in train_w):
-        targets.precompute(device, st.batch_size * st.grad_accum, quiet)  # every window is drawn anyway
+    if tr.targets is not None and not state["stopped"] and draws >= sum(len(t) for t in tr.train_w):
+        tr.targets.precompute(device, st.batch_size * st.grad_accum, quiet)  # every window is drawn anyway
     if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student.train()
+    _steps(tr, held, state, start, t0, root, quiet)
+    if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_disable"):
+        student.gradient_checkpointing_disable()
+    student.eval()
+    _keep_best(tr, state, root)
+    state["resumed_at_step"] = resumed
+    state["compute_dtype"], state["compute_dtype_reason"] = dtype, why
+    state["teacher"] = tr.targets.summary() if tr.targets is not None else {"topk": 0}
+    return state
+
+
+def _key(st: QATStage) -> str:
+    """The held-out loss that decides: KL to the float model for kd, next-token loss for ce."""
+    return "kl" if st.loss == "kd" else "ce"
+
+
+def _steps(tr: Training, held: "HeldOut", state: dict, start: int, t0: float, root: Path, quiet: bool) -> None:
+    """The optimizer steps from `start` on, with the held-out evaluations, early stop and checkpoints."""
+    st, key = tr.st, _key(tr.st)
     todo = [] if state["stopped"] else range(start, st.steps)
     bar = tqdm(todo, desc="qat", unit="step", disable=quiet, initial=start, total=st.steps)
     for step in bar:
-        total = optimizer_step(student, teacher, modules, params, opt, st, train_w, weights, step, autocast, targets)
+        total = optimizer_step(tr, step)
         state["train_loss"].append(round(total, 6))
         done = step + 1
         if done % st.eval_every == 0 or done == st.steps:
-            e = held.evaluate(student, teacher)
-            state["eval"].append({"step": done, **e})
-            best = state["best"]
-            lower, waited = judge(best[key], best["waited"], e[key], min_delta)
-            if lower:
-                state["best"] = {"step": done, key: e[key], "waited": waited, "file": save_best(root, done, params)}
-            else:
-                best["waited"] = waited
-            best = state["best"]
-            if st.early_stop and best["waited"] >= st.early_stop.patience:
-                state["stopped"] = {
-                    "step": done, "reason": f"held-out {key} did not fall by more than {min_delta:g} in "
-                                            f"{best['waited']} evaluations (best {best[key]:.5f} at step {best['step']})"}
+            _evaluate(tr, held, state, done, root)
         bar.set_postfix_str(f"loss {total:.4f}, held-out {key} {state['eval'][-1][key]:.4f} "
                             f"(best {state['best'][key]:.4f} at {state['best']['step']})")
         log.info("qat step %d/%d: loss %.5f lr %.3g", done, st.steps, total, lr_at(step, st))
         state["wall_time_s"] = round(time.perf_counter() - t0, 2)
         if done % st.checkpoint_every == 0 or done == st.steps or state["stopped"]:
-            save_checkpoint(root, done, params, opt, state)
+            save_checkpoint(root, done, tr.params, tr.opt, state)
         if state["stopped"]:
             log.info("qat: stopped early at step %d: %s", done, state["stopped"]["reason"])
             break
-    if st.gradient_checkpointing and hasattr(student, "gradient_checkpointing_disable"):
-        student.gradient_checkpointing_disable()
-    student.eval()
+
+
+def _evaluate(tr: Training, held: "HeldOut", state: dict, done: int, root: Path) -> None:
+    """One held-out evaluation after step `done`: keep the best weights, decide on an early stop."""
+    st, key = tr.st, _key(tr.st)
+    min_delta = st.early_stop.min_delta if st.early_stop else 0.0
+    e = held.evaluate(tr.student, tr.teacher)
+    state["eval"].append({"step": done, **e})
     best = state["best"]
+    lower, waited = judge(best[key], best["waited"], e[key], min_delta)
+    if lower:
+        state["best"] = {"step": done, key: e[key], "waited": waited, "file": save_best(root, done, tr.params)}
+    else:
+        best["waited"] = waited
+    best = state["best"]
+    if st.early_stop and best["waited"] >= st.early_stop.patience:
+        state["stopped"] = {
+            "step": done, "reason": f"held-out {key} did not fall by more than {min_delta:g} in "
+                                    f"{best['waited']} evaluations (best {best[key]:.5f} at step {best['step']})"}
+
+
+def _keep_best(tr: Training, state: dict, root: Path) -> None:
+    best, key = state["best"], _key(tr.st)
     if best["step"] != state["eval"][-1]["step"]:  # the last evaluation is not the best: go back to the best
         log.info("qat: keeping step %d (held-out %s %.5f), not the last", best["step"], key, best[key])
         tensors = load_file(str(root / best["file"]))
         with torch.no_grad():
-            for n, p in params.items():
+            for n, p in tr.params.items():
                 p.copy_(tensors[n])
-    state["resumed_at_step"] = resumed
-    state["compute_dtype"], state["compute_dtype_reason"] = dtype, why
-    state["teacher"] = targets.summary() if targets is not None else {"topk": 0}
-    return state
 
 
-def run(recipe: Recipe, model_dir: Path, tokenizer, plan: Plan, layer_files: list[Path], root: Path,
-        device: torch.device, quiet: bool = False, on_weight=None) -> QATResult:
-    """Train the last (qat) stage from the PTQ layer files; write the export tensors into `root`."""
-    st: QATStage = recipe.stages[-1]
+def run(ctx: FinetuneRun, layer_files: list[Path], root: Path) -> QATResult:
+    """Train the plan's fine-tune stage from the PTQ layer files; write the export tensors into `root`."""
+    plan = ctx.plan
+    st: QATStage = plan.finetune.config
     root.mkdir(parents=True, exist_ok=True)
-    train_w, weights, heldout = split_windows(recipe.calibration, tokenizer, st.seq_len, st.holdout_fraction, st.seed)
+    train_w, weights, heldout = split_windows(plan.calibration.spec, ctx.tokenizer, st.seq_len, st.holdout_fraction,
+                                              st.seed)
     heldout = heldout[:st.eval_samples]
     log.info("qat: %d training windows, %d held-out windows of %d tokens",
              sum(len(t) for t in train_w), len(heldout), st.seq_len)
-    student, modules, teacher = build_student(model_dir, recipe, plan, layer_files, device)
-    state = train(student, teacher, modules, st, train_w, weights, heldout, root, quiet)
+    student, modules, teacher = build_student(ctx, layer_files)
+    state = train(Training(student, teacher, modules, st, train_w, weights), heldout, root, ctx.quiet)
 
-    files = write_results(plan, layer_files, modules, root / "layers", on_weight)
+    files = write_results(plan, layer_files, modules, root / "layers", ctx.on_weight)
     plot = plot_losses(state, st, root / "qat_loss.png")
     first, last = state["eval"][0], state["eval"][-1]
     kept = next(e for e in state["eval"] if e["step"] == state["best"]["step"])
     summary = {
-        "starts_from": sorted({t.method for t in plan.targets.values()}),  # the quantizers of the PTQ start
+        "starts_from": sorted({t.quantizer.name for t in plan.targets.values()}),  # the quantizers of the PTQ start
         "steps": st.steps, "loss": st.loss, "scales": st.scales, "lr": st.lr, "warmup_steps": st.warmup_steps,
         "batch_size": st.batch_size, "seq_len": st.seq_len, "grad_accum": st.grad_accum, "seed": st.seed,
         "tokens_trained": len(state["train_loss"]) * st.grad_accum * st.batch_size * st.seq_len,

@@ -3,10 +3,10 @@ pass between stages as dataclasses, never as dicts of dicts or tuples.
 
 A quantizer turns `(weights of one sequential group owned by one stage, Observations, WeightSpec, stage
 config, scale dtype)` into one `QuantizedWeight` per module. It declares what it needs in its registry
-entry (quantkit/quantize/methods.py): a Hessian of the group's inputs, or nothing.
+entry (quantkit/algorithms/registry.py): a Hessian of the group's inputs, or nothing.
 
-A transform turns the captured statistics of one smoothing mapping (`ChannelStats`) and the weights it
-feeds into `TransformScales`; the pipeline folds them into the preceding op, which leaves the float
+A transform turns the captured statistics of one smoothing mapping (`ChannelStats`) and the Linears it
+feeds (`MappingTargets`) into `TransformScales`; the pipeline folds them into the preceding op, which leaves the float
 output unchanged. It may also refine the scaled weights after the fold (AWQ's clipping search).
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantkit.schemes import WeightSpec
+from quantkit.schemes import ActivationSpec, WeightSpec
 
 
 @dataclass
@@ -55,6 +55,17 @@ class ChannelStats:
     sample: torch.Tensor  # [<= max_tokens, in] evenly spaced tokens
     abs_mean: torch.Tensor  # [in] mean |x| over every token
     abs_max: torch.Tensor  # [in] max |x| over every token
+
+
+@dataclass
+class MappingTargets:
+    """The Linears one smoothing mapping feeds, as a transform sees them."""
+
+    weights: list[torch.Tensor]  # [out_i, in] fp32, in the order of the architecture spec
+    specs: list[WeightSpec]
+    acts: list[ActivationSpec | None]  # the engine's activation quantization of each (None: weight-only)
+    idx: torch.Tensor  # [in] target column -> channel of the preceding op (smoothing.channel_index)
+    channels: int  # of the preceding op's output
 
 
 @dataclass

@@ -1,24 +1,6 @@
-"""Pre-flight: will the engine load what this recipe is about to produce? Asked before any calibration.
-
-A conversion of a real model takes minutes to hours; an export vLLM then refuses is found only when it is
-served. Pre-flight asks first, in three steps, each cheaper than the next one is useful:
-
-1. **Format rules** (always, milliseconds): vLLM fuses q/k/v into one Linear and gate/up into another, and a
-   fused Linear has one scheme: a recipe that gives the members of one fused group different stages (or
-   quantizes some and ignores others) cannot load anywhere. Checked on the real model's plan.
-2. **Capability** (`capability` and `engine`): can this machine's engine run the recipe's schemes at all
-   (quantkit.engine.capability)? If not, the artifact may still be meant for another machine (a GPU): it
-   is said, not refused, and the engine step is skipped.
-3. **Engine** (`engine`, the default): a small model built from the real model's config, with as many
-   decoder layers as the plan has distinct per-layer layouts (usually one) and seeded random weights, is
-   quantized with round-to-nearest into the recipe's exact formats (same schemes, group sizes, symmetry,
-   fused groups, ignored modules), exported the same way, loaded by vLLM, and asked for one token. A
-   refusal stops the conversion with vLLM's own error.
-
-The result is cached under QUANTKIT_HOME/preflight/ per (engine version, machine kind, format, architecture),
-so the second conversion with the same formats costs nothing; a refusal is cached too. `off` skips it all;
-the default comes from QUANTKIT_PREFLIGHT (else `engine`).
-"""
+"""Pre-flight: will the engine load what this recipe is about to produce? Asked before any calibration, in three
+steps each cheaper than the next is useful (format rules, capability, a small model served by vLLM); results
+are cached per engine, machine and format. docs/design.md says how."""
 
 from __future__ import annotations
 
@@ -32,8 +14,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from quantkit.algorithms.registry import method_of
 from quantkit.io import atomic_write_json, quantkit_home
-from quantkit.plan import ConvertError, Plan, exact_targets
+from quantkit.targets import exact_targets
+from quantkit.plan import ConvertError, Plan
 
 log = logging.getLogger("quantkit")
 MODES = ("engine", "capability", "off")
@@ -63,10 +47,10 @@ def fused_group_problems(plan: Plan, arch, recipe) -> list[str]:
             if len(stages) > 1:
                 if lp.moe is not None and group[0].startswith(lp.moe + ".experts."):
                     kinds = sorted({"not quantized" if owner.get(n) is None else
-                                    f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}" for n in names})
+                                    f"stages[{owner[n].index}] {owner[n].config.scheme}" for n in names})
                     problems.append(f"{lp.prefix}{lp.moe} (its experts: {', '.join(kinds)})")
                     continue
-                what = ", ".join(f"{n.rsplit('.', 1)[1]}: " + (f"stages[{owner[n]}] {recipe.stages[owner[n]].scheme}"
+                what = ", ".join(f"{n.rsplit('.', 1)[1]}: " + (f"stages[{owner[n].index}] {owner[n].config.scheme}"
                                                                  if n in owner else "not quantized") for n in names)
                 problems.append(f"{lp.prefix.rstrip('.')} ({what})")
     return problems
@@ -88,7 +72,7 @@ def layer_layouts(plan: Plan) -> list[dict[str, int]]:
     """The distinct per-layer layouts (local module name -> owning stage), in first-seen order."""
     seen: list[dict[str, int]] = []
     for lp in plan.layers:
-        lay = {t.name[len(lp.prefix):]: t.stage for t in lp.targets}
+        lay = {t.name[len(lp.prefix):]: t.stage.index for t in lp.targets}
         if lay not in seen:
             seen.append(lay)
     return seen
@@ -99,7 +83,7 @@ def small_recipe(recipe, model_dir: Path, layouts: list[dict[str, int]], layers_
     the exact modules of the small model's layers that carry it."""
     stages = []
     for si, st in enumerate(recipe.stages):
-        if st.is_transform or st.method == "qat":
+        if method_of(st).role != "quantizer":  # the small model checks formats: a fine-tune changes none
             continue
         names = [f"{layers_path}.{j}.{local}" for j, lay in enumerate(layouts) for local, s in lay.items() if s == si]
         if not names:
@@ -149,7 +133,7 @@ def format_signature(recipe, layouts: list[dict[str, int]], config: dict) -> dic
 
     schemes = {}
     for si, st in enumerate(recipe.stages):
-        if not st.is_transform and st.method != "qat":
+        if method_of(st).role == "quantizer":
             s = stage_scheme(recipe, si)
             schemes[si] = {"scheme": s.name, "weights": vars(s.weights), "acts": s.activations is not None,
                            "format": s.format}
@@ -218,9 +202,11 @@ def _load_small(recipe, model_dir: Path, arch, layouts, log_dest: Path) -> tuple
     """Build, export, serve, generate one token: (loaded, facts, error). The engine's log is kept at log_dest."""
     import httpx
 
-    from quantkit.convert import convert
+    from quantkit.distributed import launched_world
     from quantkit.engine import EngineError
     from quantkit.engine.vllm_server import VLLMServer
+    from quantkit.hardware import conversion_device
+    from quantkit.pipeline import RunOptions, execute, prepare
     from quantkit.recipe import parse_recipe
 
     with tempfile.TemporaryDirectory(prefix="quantkit-preflight-") as tmp:
@@ -228,7 +214,10 @@ def _load_small(recipe, model_dir: Path, arch, layouts, log_dest: Path) -> tuple
         dense = [j for j, lay in enumerate(layouts) if not any(".experts." in n for n in lay)] if arch.moe else None
         small = build_small_model(model_dir, len(layouts), tmp / "float", recipe.model.dtype, dense)
         data = small_recipe(recipe, small, layouts, arch.layers)
-        export = convert(parse_recipe(data, "pre-flight recipe"), tmp / "export", quiet=True, preflight="off")
+        # the pipeline core, as the convert verb runs it, in this process alone and with no pre-flight of its own
+        placed = conversion_device("auto", launched_world()[2])
+        export = execute(prepare(parse_recipe(data, "pre-flight recipe"), placed, quiet=True),
+                         RunOptions(tmp / "export", quiet=True, started=time.perf_counter(), preflight={"mode": "off"}))
         qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
         result = {"layers": len(layouts), "config_groups": sorted((qc.get("config_groups") or {}).keys())}
         server = VLLMServer(export, tmp / "engine", "preflight", max_model_len=256, ready_timeout_s=600)

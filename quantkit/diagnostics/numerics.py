@@ -34,73 +34,12 @@ import contextlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-PACK_FACTOR_INT4 = 8  # 4-bit codes per int32 in compressed-tensors' pack-quantized format
-
-
-# ----------------------------------------------------------------------------------- exported tensors
-@dataclass
-class ExportedLinear:
-    """One Linear as the export stores it: the compressed-tensors config group and its tensors (local names)."""
-
-    name: str
-    group: dict  # {"weights": {...}, "input_activations": {...} | None, "format": ...}
-    tensors: dict[str, torch.Tensor] = field(repr=False)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        if "weight_shape" in self.tensors:
-            out_f, in_f = (int(v) for v in self.tensors["weight_shape"].tolist())
-            return out_f, in_f
-        return tuple(self.tensors["weight"].shape)  # type: ignore[return-value]
-
-    @property
-    def weights(self) -> dict:
-        return self.group["weights"]
-
-    @property
-    def activations(self) -> dict | None:
-        return self.group.get("input_activations")
-
-    def quantization_config(self) -> dict:
-        """A config.json `quantization_config` holding only this Linear's group (what vLLM reads)."""
-        fmt = self.group.get("format") or "int-quantized"
-        return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-                "config_groups": {"group_0": {**self.group, "targets": ["Linear"]}}, "ignore": []}
-
-
-def _group_for(qc: dict, name: str) -> dict:
-    import re
-
-    for group in (qc.get("config_groups") or {}).values():
-        for t in group.get("targets") or []:
-            if t == "Linear" or t == name or (t.startswith("re:") and re.match(t[3:], name)):
-                return group
-    raise KeyError(f"{name}: no config group of this export targets it")
-
-
-def read_exported_linear(export_dir: Path, name: str) -> ExportedLinear:
-    """The tensors an export holds for Linear `name` (e.g. model.layers.3.mlp.down_proj), with its group."""
-    from safetensors import safe_open
-
-    export_dir = Path(export_dir)
-    qc = json.loads((export_dir / "config.json").read_text())["quantization_config"]
-    index = export_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"])
-    tensors: dict[str, torch.Tensor] = {}
-    for fname in files:
-        with safe_open(str(export_dir / fname), "pt") as f:
-            for key in f.keys():
-                if key.startswith(name + ".") and "." not in key[len(name) + 1:]:
-                    tensors[key[len(name) + 1:]] = f.get_tensor(key)
-    if not tensors:
-        raise KeyError(f"{name}: not in {export_dir}")
-    return ExportedLinear(name, _group_for(qc, name), tensors)
+from quantkit.export.reader import (ExportedLinear, codes_and_scales, dequantize,  # noqa: F401  (the export's side)
+                                    dequantize_compressed_tensors, read_exported_linear, unpack_int4)
 
 
 def export_linear(weight: torch.Tensor, scheme: str, name: str, group_size: int | None = None,
@@ -118,51 +57,6 @@ def export_linear(weight: torch.Tensor, scheme: str, name: str, group_size: int 
     stored = compress_linear(name, deq, qp.scale, qp.zero_point, None, ct, scale_dtype)
     group = json.loads(ct.model_dump_json())
     return ExportedLinear(name, group, {k[len(name) + 1:]: v for k, v in stored.items()}), deq
-
-
-def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """pack-quantized int32 [out, in/8] -> signed codes [out, in] (8 codes per int32, lowest bits first,
-    stored with +8 offset)."""
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(PACK_FACTOR_INT4, dtype=torch.int64) * 4
-    codes = (p.unsqueeze(-1) >> shifts) & 0xF  # [out, in/8, 8]
-    return codes.reshape(packed.shape[0], -1)[:, :in_features].to(torch.int32) - 8
-
-
-def codes_and_scales(lin: ExportedLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integer codes [out, in] as int32, fp32 scale expanded per column [out, in]) of a symmetric export."""
-    out_f, in_f = lin.shape
-    w = lin.weights
-    if not w.get("symmetric", True) or "weight_zero_point" in lin.tensors or "weight_g_idx" in lin.tensors:
-        raise NotImplementedError("only symmetric exports without g_idx are handled here")
-    if "weight_packed" in lin.tensors:
-        q = unpack_int4(lin.tensors["weight_packed"], in_f)
-    else:
-        q = lin.tensors["weight"].to(torch.int32)
-    scale = lin.tensors["weight_scale"].float()  # [out, n_groups]
-    per_col = scale.repeat_interleave(in_f // scale.shape[1], dim=1)
-    return q, per_col
-
-
-def dequantize(lin: ExportedLinear) -> torch.Tensor:
-    """What the export means to quantkit: code * scale in float32 (exact: small integers times bf16 scales)."""
-    q, s = codes_and_scales(lin)
-    return q.float() * s
-
-
-def dequantize_compressed_tensors(lin: ExportedLinear, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """What compressed-tensors' own decompressor gives (float32 result). It dequantizes in the scale's dtype:
-    transformers loads the scales into the model's dtype first (float32 in the reference column: exact);
-    with bf16 scales the products code * scale are rounded to bf16."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-
-    scheme = QuantizationScheme(targets=["Linear"], weights=lin.weights,
-                                input_activations=lin.activations, format=lin.group.get("format"))
-    comp = BaseCompressor.get_value_from_registry(lin.group["format"])
-    sd = dict(lin.tensors)
-    sd["weight_scale"] = sd["weight_scale"].to(scale_dtype)
-    return comp.decompress(sd, scheme)["weight"].float()
 
 
 # ------------------------------------------------------------------------------- activation emulations
