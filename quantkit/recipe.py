@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from quantkit.evaluate.names import is_metric_name
+from quantkit.evaluate.catalogue import is_metric_name
 from quantkit.algorithms.registry import QUANTIZERS, STAGE_CLASSES, method_of
 from quantkit.resources import BUILTIN_CORPORA, corpus_glob, shipped_recipe
 from quantkit.schemes import SCHEMES

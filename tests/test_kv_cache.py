@@ -240,7 +240,8 @@ def _artifact_config(folder: Path, head_dim: int, kv: dict | None, dtype: str = 
 
 def test_eval_serves_the_fp8_cache_where_it_can_and_says_so_where_not(cpu, tmp_path):
     from quantkit.engine import EngineError
-    from quantkit.evaluate.run import _kv_cache_settings, _Side
+    from quantkit.evaluate.probes import Side as _Side
+    from quantkit.evaluate.run import _kv_cache_settings
 
     said = []
     cpu(AMX)

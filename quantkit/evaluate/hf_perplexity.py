@@ -119,7 +119,7 @@ def _decompressed(model_dir: Path, qc: dict, dtype: torch.dtype):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantkit.plan import matches_pattern
+    from quantkit.targets import matches_pattern
 
     config = AutoConfig.from_pretrained(model_dir)
     del config.quantization_config

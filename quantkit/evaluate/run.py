@@ -30,7 +30,6 @@ from quantkit.locks import exclusive, lock_beside
 from quantkit.model.sources import load_tokenizer, model_description
 from quantkit.recipe import EvalSpec, parallelism
 
-_Side = Side  # the name tests/test_kv_cache.py imports
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from quantkit.recipe import (EvalSpec, Recipe, RecipeError, apply_override, check_engine_args, find_recipe,
                              format_errors, parse_recipe)
-from quantkit.stages import Strict
+from quantkit.strict import Strict
 
 LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 

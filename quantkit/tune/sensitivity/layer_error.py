@@ -31,11 +31,9 @@ class _Quantizer:
 
     @classmethod
     def of(cls, walk: Walk, high: Scheme | None) -> "_Quantizer":
-        from quantkit.quantize.methods import QUANTIZERS
-
-        low = walk.recipe.stages[next(t.stage for t in walk.plan.targets.values())]
+        first = next(iter(walk.plan.targets.values()))  # the recipe's one quantizer stage owns every target
         hi = high_stage(walk.recipe.stages[0], high) if high is not None else None
-        return cls(QUANTIZERS[low.method], low, high, hi, getattr(torch, walk.recipe.model.dtype))
+        return cls(first.quantizer, first.stage.config, high, hi, getattr(torch, walk.recipe.model.dtype))
 
 
 @torch.no_grad()

@@ -93,7 +93,8 @@ def walk_float_layers(walk: Walk, hessian: bool) -> Iterator[FloatLayer]:
     groups' inputs gathered (the Hessian when `hessian`); released once the visitor is done with it."""
     from quantkit.distributed import ChunkLayout
     from quantkit.model.checkpoint import materialize, release
-    from quantkit.quantize.layers import GroupInputs, _to_device, capture_layer_inputs
+    from quantkit.quantize.layers import GroupInputs
+    from quantkit.quantize.walk import capture_layer_inputs, to_device
 
     bs = walk.recipe.calibration.batch_size
     hidden, by_size = capture_layer_inputs(walk.module, walk.arch, walk.ckpt, walk.calib.input_ids, walk.compute, bs)
@@ -103,7 +104,7 @@ def walk_float_layers(walk: Walk, hessian: bool) -> Iterator[FloatLayer]:
     for lp in walk.plan.layers:
         layer = layers[lp.index]
         materialize(layer, lp.prefix, walk.ckpt, walk.compute, walk.device)
-        kws = {size: _to_device(kw[lp.index], walk.device, walk.compute) for size, kw in by_size.items()}
+        kws = {size: to_device(kw[lp.index], walk.device, walk.compute) for size, kw in by_size.items()}
         pieces = [(h, kws[h.shape[0]]) for h in hidden.split(bs)]
         inputs = [GroupInputs(hessian, layout) for _ in lp.groups]
         handles = [layer.get_submodule(name[len(lp.prefix):]).register_forward_pre_hook(

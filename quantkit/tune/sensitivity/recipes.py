@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from quantkit.algorithms.registry import method_of
 from quantkit.plan import exact_targets
 from quantkit.recipe import Recipe, RecipeError, parse_recipe
 from quantkit.schemes import Scheme, get_scheme
@@ -15,8 +16,8 @@ HIGH_NONE = "none"  # keep the unit in the model's dtype
 
 def check_recipe(recipe: Recipe, high: str) -> Scheme | None:
     """The recipe sensitivity can work from (one quantizer stage, no transform or QAT) and the high scheme."""
-    bad = [f"stages[{i}] ({st.method})" for i, st in enumerate(recipe.stages) if st.is_transform or st.method == "qat"]
-    quant = [i for i, st in enumerate(recipe.stages) if not st.is_transform and st.method != "qat"]
+    bad = [f"stages[{i}] ({st.method})" for i, st in enumerate(recipe.stages) if method_of(st).role != "quantizer"]
+    quant = [i for i, st in enumerate(recipe.stages) if method_of(st).role == "quantizer"]
     if bad or len(quant) != 1:
         raise RecipeError(f"recipe {recipe.name!r}: sensitivity starts from a recipe with exactly one quantizer stage "
                           f"(rtn or gptq) and no transform or qat stage; found {', '.join(bad) or f'{len(quant)} quantizer stages'}. "
