@@ -317,7 +317,8 @@ def test_report_md_renders_intervals():
 
 
 def test_reused_baseline_from_an_older_cache_entry_gets_its_windows(tmp_path):
-    from quantkit.evaluate.run import _restore_cached_windows, _Side
+    from quantkit.evaluate.probes import Side as _Side
+    from quantkit.evaluate.run import _restore_cached_windows
     from quantkit.recipe import EvalSpec
 
     f = tmp_path / "t.txt"

@@ -203,7 +203,7 @@ class _ExpertCalibration:
         return results
 
 
-class _GroupInputHooks:
+class GroupInputHooks:
     """The observer of every sequential group's input: a pre-hook on the group's input module adds each
     chunk's input to the group's statistics, then pauses the chunk (the scheduler's turn)."""
 
@@ -268,7 +268,7 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
     quantized = {t.name for t in plan.targets}
     smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
                 if plan.smoothing else {})
-    groups = _GroupInputHooks(plan, layout)
+    groups = GroupInputHooks(plan, layout)
     experts = _ExpertCalibration(plan, job) if plan.moe is not None else None
     kv_policy = job.plan.kv_cache  # k/v scales from the keys and values these (quantized-model) chunks feed attention
     kv = KVObserver(plan.prefix, kv_policy.attention, kv_policy.strategy, layout) if kv_policy is not None else None

@@ -3,7 +3,7 @@ does. The design (units, proxies, validation, budgets) is in docs/sensitivity.md
 
     units.py        units (what one engine kernel fuses), their sizes, the proxy error
     recipes.py      the recipe it starts from and the mixed recipe it writes
-    layer_walk.py   convert's layer loop, float: one decoder layer in memory at a time
+    layer_walk.py   a float visitor of the shared layer walk: one decoder layer in memory at a time
     layer_error.py  the measurement: each unit's error on its layer's output, in one walk
     validation.py   the proxy against the full-model KL, and the KL factor
     budget.py       kl / size / tpot budgets and the choice of units to keep high

@@ -59,20 +59,25 @@ def measure(recipe: Recipe, high: Scheme | None, weights_dir: Path | None = None
     if weights_dir is not None:
         weights_dir.mkdir(parents=True, exist_ok=True)
     say(f"sensitivity: {len(units)} units in {len(walk.plan.layers)} layers, {walk.calib.input_ids.numel()} calibration tokens")
-    tl = time.perf_counter()
-    for fl in walk_float_layers(walk, q.method.needs == "hessian"):
+    clock = {"layer": time.perf_counter(), "energy": 0.0}
+
+    def on_layer(fl: FloatLayer) -> str:
         saved: dict[str, torch.Tensor] = {}
         for g, (members, unit) in enumerate(zip(fl.plan.groups, by_layer[fl.plan.index])):
             _measure_unit(fl, g, members, unit, q, saved if weights_dir is not None else None)
         if weights_dir is not None:
             save_file(saved, str(weights_dir / f"layer_{fl.plan.index:05d}.safetensors"))
-        energy = float(fl.ref.double().pow(2).sum())
+        energy = clock["energy"] = float(fl.ref.double().pow(2).sum())
         for u in by_layer[fl.plan.index]:
             u.layer_energy = energy
         worst = max(by_layer[fl.plan.index], key=lambda u: u.sq_low)
-        say(f"layer {fl.plan.index + 1}/{len(walk.plan.layers)} in {time.perf_counter() - tl:.1f}s: most sensitive "
-            f"{worst.name} (error {worst.sq_low / energy:.3g} of this layer's output)")
-        tl = time.perf_counter()
+        say(f"layer {fl.plan.index + 1}/{len(walk.plan.layers)} in {time.perf_counter() - clock['layer']:.1f}s: most "
+            f"sensitive {worst.name} (error {worst.sq_low / energy:.3g} of this layer's output)")
+        clock["layer"] = time.perf_counter()
+        return worst.name
+
+    walk_float_layers(walk, on_layer)
+    energy = clock["energy"]
     use_proxy(units, "layer", energy)
     return units, _facts(walk, shapes, float_bytes, energy, t0)
 

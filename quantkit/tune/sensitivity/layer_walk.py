@@ -1,7 +1,7 @@
-"""The float layer walk sensitivity measures on: convert's layer loop (quantize/layers.py) rebuilt in one
-place, so that it can become a visitor of the shared layer walker.
+"""The float layer walk sensitivity measures on: a visitor of the shared layer walk (quantkit/quantize/walk.py),
+the one convert's pipeline visits too.
 
-Unlike convert's walk it stays float: each layer's float output is the next layer's input, and the visitor
+Unlike convert's visitor it stays float: each layer's float output is the next layer's input, and the measurement
 quantizes units on forwards of its own (FloatLayer.forward) against the float output (FloatLayer.ref).
 """
 
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from quantkit.plan import LayerPlan, Plan
+from quantkit.quantize.layers import GroupInputHooks
+from quantkit.quantize.walk import Walk as LayerWalk
+from quantkit.quantize.walk import observing
 from quantkit.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -66,16 +69,14 @@ class FloatLayer:
     module: nn.Module
     pieces: list[tuple[torch.Tensor, dict]]  # the calibration chunks and the layer's keyword arguments
     ref: torch.Tensor  # the float layer's output for the whole batch
-    inputs: list  # per sequential group: its GroupInputs, taken once by `observations`
+    inputs: GroupInputHooks  # per sequential group: what its calibration inputs taught
 
     def forward(self) -> torch.Tensor:
         return forward(self.module, self.pieces)
 
     def observations(self, g: int):
-        """What group `g`'s calibration inputs taught (its GroupInputs are dropped: they can be large)."""
-        obs = self.inputs[g].observations()
-        self.inputs[g] = None
-        return obs
+        """What group `g`'s calibration inputs taught (then dropped: they can be large)."""
+        return self.inputs.observations(g)
 
 
 def forward(layer: nn.Module, pieces) -> torch.Tensor:
@@ -88,32 +89,23 @@ def forward(layer: nn.Module, pieces) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def walk_float_layers(walk: Walk, hessian: bool) -> Iterator[FloatLayer]:
-    """Every decoder layer in turn, materialized, run float over the calibration batch with its sequential
-    groups' inputs gathered (the Hessian when `hessian`); released once the visitor is done with it."""
-    from quantkit.distributed import ChunkLayout
-    from quantkit.model.checkpoint import materialize, release
-    from quantkit.quantize.layers import GroupInputs
-    from quantkit.quantize.walk import capture_layer_inputs, to_device
+class _FloatVisitor:
+    """Convert's walk kept float: the group inputs gathered on the layer's float forward, whose output is the
+    next layer's input; `on_layer` measures what it wants while the layer is materialized."""
 
-    bs = walk.recipe.calibration.batch_size
-    hidden, by_size = capture_layer_inputs(walk.module, walk.arch, walk.ckpt, walk.calib.input_ids, walk.compute, bs)
-    hidden = hidden.to(walk.device)
-    layout = ChunkLayout.of(hidden.shape[0], bs, hidden.shape[1])
-    layers = walk.module.get_submodule(walk.arch.layers)
-    for lp in walk.plan.layers:
-        layer = layers[lp.index]
-        materialize(layer, lp.prefix, walk.ckpt, walk.compute, walk.device)
-        kws = {size: to_device(kw[lp.index], walk.device, walk.compute) for size, kw in by_size.items()}
-        pieces = [(h, kws[h.shape[0]]) for h in hidden.split(bs)]
-        inputs = [GroupInputs(hessian, layout) for _ in lp.groups]
-        handles = [layer.get_submodule(name[len(lp.prefix):]).register_forward_pre_hook(
-            lambda _m, args, g=g: inputs[g].add(args[0])) for g, name in enumerate(lp.group_inputs)]
-        try:
+    def __init__(self, on_layer: Callable[[FloatLayer], str], batch_size: int):
+        self.on_layer, self.batch_size = on_layer, batch_size
+
+    def visit(self, index: int, layer: nn.Module, lp: LayerPlan, inp) -> tuple[torch.Tensor, str]:
+        hooks = GroupInputHooks(lp, inp.layout)
+        pieces = inp.pieces(self.batch_size)
+        with observing(layer, [hooks]):
             ref = forward(layer, pieces)
-        finally:
-            for h in handles:
-                h.remove()
-        yield FloatLayer(lp, layer, pieces, ref, inputs)
-        hidden = ref  # the float model's activations go on to the next layer
-        release(layer)
+        return ref, self.on_layer(FloatLayer(lp, layer, pieces, ref, hooks))
+
+
+def walk_float_layers(setup: Walk, on_layer: Callable[[FloatLayer], str]) -> None:
+    """Every decoder layer in turn through the shared layer walk (quantkit/quantize/walk.py), run float over
+    the calibration batch with its sequential groups' inputs gathered; `on_layer` sees each before release."""
+    walk = LayerWalk(setup.module, setup.arch, setup.ckpt, setup.plan, setup.device, setup.compute)
+    walk.run(_FloatVisitor(on_layer, setup.plan.calibration.batch_size), setup.calib.input_ids, quiet=True)
