@@ -8,6 +8,7 @@ Presets are registered explicitly by name with `register_scheme`; nothing is dis
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -35,6 +36,24 @@ class WeightSpec:
     @property
     def qmax(self) -> int:
         return 2 ** (self.num_bits - 1) - 1
+
+    @property
+    def is_fp4(self) -> bool:
+        """fp4 (e2m1) codes: a fixed grid of 15 values, not an integer range."""
+        return self.type == "float" and self.num_bits == 4
+
+    def stored_bytes(self, out_features: int, in_features: int, float_bytes: int) -> int:
+        """Bytes one Linear weight takes in the export: packed codes, group (or channel) scales as this format
+        stores them (the model's dtype, or one byte for fp8 / E8M0 scales, plus NVFP4's per-tensor global
+        scale), and packed zero points for asymmetric schemes."""
+        groups = in_features // self.group_size if self.strategy == "group" else 1
+        scale_bytes = float_bytes if self.scale_format == "model" else 1
+        b = out_features * in_features * self.num_bits / 8 + out_features * groups * scale_bytes
+        if self.scale_format == "fp8":
+            b += 4  # the fp32 global scale
+        if not self.symmetric:
+            b += out_features * groups * self.num_bits / 8
+        return int(math.ceil(b))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ determinism, Cholesky recovery."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -222,3 +223,29 @@ def test_hessian_full_product_path_matches_the_triangle_path(monkeypatch):
     assert torch.equal(hs[0], hs[0].t())  # the triangle path mirrors exactly; addmm is symmetric to rounding
     for H in hs:
         assert torch.allclose(H, H.t(), rtol=1e-6, atol=1e-6) and torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_schemes_stored_bytes_are_what_its_export_writes(name, tmp_path, tiny_llama):
+    """WeightSpec.stored_bytes (what sensitivity's size budget counts) against the bytes the export really
+    writes for one Linear: every tensor of that module in the safetensors file."""
+    from safetensors import safe_open
+
+    from conftest import tiny_recipe, write_recipe
+    from quantkit import api
+    from quantkit.recipe import load_recipe
+
+    scheme = get_scheme(name)
+    stage = {"method": "rtn", "scheme": name}
+    if scheme.weights.strategy == "group" and scheme.weights.scale_format == "model":
+        stage["group_size"] = 32
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_llama, None, [stage])), [])
+    out = api.convert(recipe, tmp_path / "out", quiet=True)
+    prefix = "model.layers.0.mlp.down_proj."
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        # the weight's tensors; weight_shape is bookkeeping compressed-tensors adds (two int64s), not weight data
+        names = [k for k in f.keys() if k.startswith(prefix) and "input" not in k and not k.endswith("weight_shape")]
+        written = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in names)
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    spec = scheme.with_overrides(group_size=stage.get("group_size")).weights
+    assert spec.stored_bytes(cfg["hidden_size"], cfg["intermediate_size"], 2) == written, names

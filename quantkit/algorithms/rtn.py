@@ -79,7 +79,7 @@ def check_divisible(spec: WeightSpec, in_features: int, name: str) -> None:
 def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype,
                     global_scale: torch.Tensor | None = None):
     """Scale/zero point from per-group min and max (any shape), rounded to the storage dtype."""
-    if spec.type == "float" and spec.num_bits == 4:
+    if spec.is_fp4:
         absmax = torch.maximum(wmin.abs(), wmax.abs())
         if spec.scale_format == "e8m0":  # the power of two that keeps absmax / scale <= 6 (no clipping)
             return torch.exp2(torch.ceil(torch.log2((absmax / FP4_MAX).clamp(min=2.0 ** -126)))), None
@@ -134,7 +134,7 @@ def _group_error(wg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
     """Codes (as fp32 values) for `w` with broadcastable scale/zero point."""
-    if spec.type == "float" and spec.num_bits == 4:
+    if spec.is_fp4:
         return fp4_round(w / scale)
     if spec.type == "float":
         return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()

@@ -3,7 +3,6 @@ the proxy error that normalises their measured squared error."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from quantkit.plan import Plan, Target
@@ -41,16 +40,11 @@ class Unit:
 
 
 def weight_bytes(spec: WeightSpec | None, out_features: int, in_features: int, float_bytes: int) -> int:
-    """Bytes one Linear weight takes in the export: packed codes, scales in the model dtype, packed zero
-    points for asymmetric schemes; `spec` None: the float weight as it is."""
-    n = out_features * in_features
+    """Bytes one Linear weight takes in the export (the scheme's own rule, WeightSpec.stored_bytes); `spec`
+    None: the float weight as it is."""
     if spec is None:
-        return n * float_bytes
-    groups = in_features // spec.group_size if spec.strategy == "group" else 1
-    b = n * spec.num_bits / 8 + out_features * groups * float_bytes
-    if not spec.symmetric:
-        b += out_features * groups * spec.num_bits / 8
-    return int(math.ceil(b))
+        return out_features * in_features * float_bytes
+    return spec.stored_bytes(out_features, in_features, float_bytes)
 
 
 def _unit_name(members: list[Target], prefix: str, layer: int) -> str:
