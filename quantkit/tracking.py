@@ -268,10 +268,10 @@ def eval_note(rep: dict) -> str:
     def ratio(name: str) -> str:
         m = ms.get(name) or {}
         b, c = m.get("baseline"), m.get("candidate")
-        return f"{c / b:.3g}" if _number(b) and _number(c) and b else "-"
+        return f"{c / b:.3f}" if _number(b) and _number(c) and b else "-"
 
     def value(v) -> str:
-        return f"{v:.3g}" if _number(v) else "-"
+        return f"{v:.3f}" if _number(v) else "-"
 
     state = "complete" if rep.get("complete") else f"INCOMPLETE ({', '.join(rep.get('incomplete') or [])})"
     base = (rep.get("baseline") or {}).get("description") or "the baseline"

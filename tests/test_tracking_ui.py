@@ -110,7 +110,7 @@ def _render(url: str, shot: str | None = None) -> str:
     folder = os.environ.get("QUANTKIT_UI_SCREENSHOTS")
     if shot and folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        subprocess.run([*cmd, "--window-size=1400,1000", f"--screenshot={Path(folder).resolve() / shot}", url],
+        subprocess.run([*cmd, "--window-size=1500,1100", f"--screenshot={Path(folder).resolve() / shot}", url],
                        capture_output=True, timeout=180)
     return dom
 
@@ -149,5 +149,5 @@ def test_two_candidates_can_be_compared(tracked_demo, ui):
     ids = [r.info.run_id for r in runs]
     url = f"{ui}/#/compare-runs?runs={json.dumps(ids)}&experiments={json.dumps([exp])}"
     dom = _render(url.replace(" ", ""), "compare-evals.png")
-    assert all(r.info.run_name in dom for r in runs)
-    assert "quality.perplexity.candidate" in dom
+    assert "Comparing 2 Runs" in dom and all(r.info.run_name in dom for r in runs)
+    assert "artifact.coverage.candidate" in dom  # the metrics were loaded (the plot's first metric)
