@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.evaluate.plots import _plt  # the one Agg-backed pyplot (tune/report.py uses it too)
 from quantkit.io import atomic_write_text
 
 _PCTS = ("p50", "p90", "p99")
@@ -74,15 +75,6 @@ def table(entries: list[Entry]) -> list[str]:
                      f"{_fmt(e.ratio('speed.decode_tpot_ms_p50'))} | {_fmt(e.ratio('speed.peak_output_tok_s'))} | "
                      f"{_fmt(cost[0], 4)} → {_fmt(cost[1], 4)} |")
     return lines
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_quality_cost(entries: list[Entry], path: Path) -> Path:

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import EXIT_ENVIRONMENT, QuantkitError
@@ -46,12 +46,18 @@ def enabled(flag: bool | None = None) -> bool:
 
 def store_uri() -> str:
     """The tracking store: QUANTKIT_TRACKING_URI, else the embedded registry's sqlite file."""
+    return _store()[0]
+
+
+def _store() -> tuple[str, str | None]:
+    """(store URI, artifact root for a new experiment: beside a sqlite file, as the registry keeps its artifacts;
+    None for a server, which decides), resolved as the registry resolves its own."""
     from quantkit.registry.base import RegistryError
     from quantkit.registry.mlflow_backend import resolve_uri
 
     uri = os.environ.get("QUANTKIT_TRACKING_URI") or None
     try:
-        return resolve_uri(uri)[0]
+        return resolve_uri(uri)
     except RegistryError as exc:
         raise TrackingError(f"QUANTKIT_TRACKING_URI={uri!r}: {exc}") from None
 
@@ -70,7 +76,6 @@ class Run:
     run_id: str
     uri: str
     experiment_id: str
-    children: list[str] = field(default_factory=list)
 
     def params(self, values: dict) -> None:
         from mlflow.entities import Param
@@ -107,7 +112,6 @@ class Run:
         """A nested run (a tune cell): same experiment, linked to this one as its parent."""
         run = self.client.create_run(self.experiment_id, run_name=name, tags={
             "mlflow.parentRunId": self.run_id, TAG + "kind": kind, **{k: str(v) for k, v in (tags or {}).items()}})
-        self.children.append(run.info.run_id)
         return Run(self.client, run.info.run_id, self.uri, self.experiment_id)
 
     def end(self, status: str = "FINISHED", error: str | None = None, crash_log: str | None = None) -> None:
@@ -119,13 +123,13 @@ def open_run(kind: str, model: str, name: str, tags: dict | None = None) -> Run:
     """Open a run in the model's experiment now, before any work, so a bad store fails fast and clearly."""
     if kind not in KINDS:
         raise ValueError(f"tracking kind {kind!r}: one of {KINDS}")
-    uri = store_uri()
+    uri, artifact_root = _store()
     with _fast_failing_http():
         try:
             from mlflow import MlflowClient
 
             client = MlflowClient(tracking_uri=uri)
-            exp = _experiment(client, experiment_name(model))
+            exp = _experiment(client, experiment_name(model), artifact_root)
             reap_dead_runs(client, exp)
             run = client.create_run(exp, run_name=name, tags={
                 TAG + "kind": kind, TAG + "model": str(model), TAG + "host": socket.gethostname(),
@@ -176,25 +180,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _experiment(client, name: str) -> str:
+def _experiment(client, name: str, artifact_root: str | None) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     from mlflow.exceptions import MlflowException
 
     try:  # a model-development experiment: MLflow's UI then shows runs, metrics and comparisons, not GenAI pages
-        return client.create_experiment(name, artifact_location=_artifact_root(client),
+        return client.create_experiment(name, artifact_location=artifact_root,
                                         tags={"mlflow.experimentKind": "custom_model_development"})
     except MlflowException:  # created concurrently
         return client.get_experiment_by_name(name).experiment_id
-
-
-def _artifact_root(client) -> str | None:
-    """Beside the sqlite file, as the registry keeps its artifacts; a server decides for itself."""
-    uri = client.tracking_uri if hasattr(client, "tracking_uri") else client._tracking_client.tracking_uri
-    if uri.startswith("sqlite:///"):
-        return (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
-    return None
 
 
 # ------------------------------------------------------------------------------ what each command logs
@@ -312,14 +308,14 @@ def log_gate(run: Run, record: dict, gate_file: Path | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------- lineage
-def find_run(kind: str, tag: str, value: str | None) -> str | None:
+def find_run(kind: str, tag: str, value: str | None, client=None) -> str | None:
     """The newest FINISHED run of `kind` whose tag quantkit.<tag> is `value`, in any experiment of the store."""
     if not value or not enabled():
         return None
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    client = MlflowClient(tracking_uri=store_uri())
+    client = client or MlflowClient(tracking_uri=store_uri())
     exps = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     if not exps:
         return None
@@ -333,12 +329,16 @@ def lineage_tags(manifest_sha: str, report_sha: str, gate_sha: str) -> dict[str,
     """The registry version's links to the runs that made its evidence (only those found)."""
     if not enabled():
         return {}
-    found = {TAG + "convert_run": find_run("convert", "manifest_sha256", manifest_sha),
-             TAG + "eval_run": find_run("eval", "report_sha256", report_sha),
-             TAG + "gate_run": find_run("gate", "gate_sha256", gate_sha)}
+    from mlflow import MlflowClient
+
+    uri = store_uri()
+    client = MlflowClient(tracking_uri=uri)  # one client for the three searches
+    found = {TAG + "convert_run": find_run("convert", "manifest_sha256", manifest_sha, client),
+             TAG + "eval_run": find_run("eval", "report_sha256", report_sha, client),
+             TAG + "gate_run": find_run("gate", "gate_sha256", gate_sha, client)}
     out = {k: v for k, v in found.items() if v}
     if out:
-        out[TAG + "tracking_uri"] = store_uri()
+        out[TAG + "tracking_uri"] = uri
     return out
 
 
