@@ -93,7 +93,7 @@ def main() -> None:
             for dt in ("auto", "float32"):
                 qk = Path(td) / f"quantkit-{dt}"
                 t0 = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", "recipes/smollm2-w4a16-gptq.yaml",
+                subprocess.run([sys.executable, "-m", "quantkit.cli", "--no-track", "convert", "recipes/smollm2-w4a16-gptq.yaml",
                                 "-o", str(qk), "-q", "--set", f"calibration.num_samples={args.samples}",
                                 "--set", f"model.compute_dtype={dt}"], cwd=REPO, check=True)
                 qwall = time.perf_counter() - t0

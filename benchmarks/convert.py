@@ -48,7 +48,7 @@ def convert(name: str, out: Path, samples: int) -> dict:
     if "calibration" in (REPO / recipe).read_text():
         sets.append(f"calibration.num_samples={samples}")
     # the conversion alone: the engine pre-flight (a separate, cached step) is left out of the timing
-    cmd = [sys.executable, "-m", "quantkit.cli", "convert", recipe, "-o", str(out), "-q", "--overwrite",
+    cmd = [sys.executable, "-m", "quantkit.cli", "--no-track", "convert", recipe, "-o", str(out), "-q", "--overwrite",
            "--preflight", "capability"]
     for s in sets:
         cmd += ["--set", s]
@@ -121,7 +121,7 @@ def scaling(tmp: Path) -> dict:
         recipe["calibration"].update(num_samples=8, seq_len=128)
         path = write_recipe(tmp / f"r{layers}.yaml", recipe)
         o = tmp / f"out{layers}"
-        subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(path), "-o", str(o), "-q", "--preflight",
+        subprocess.run([sys.executable, "-m", "quantkit.cli", "--no-track", "convert", str(path), "-o", str(o), "-q", "--preflight",
                         "capability"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         man = json.loads((o / "manifest.json").read_text())
         out[f"layers_{layers}"] = {"peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),

@@ -30,7 +30,7 @@ from convert import REPO, perplexity  # noqa: E402 - the one held-out perplexity
 
 
 def _convert(recipe: str, out: Path, nproc: int, threads: int | None) -> float:
-    cmd = [sys.executable, "-m", "quantkit.cli", "convert", recipe, "-o", str(out), "-q", "--overwrite",
+    cmd = [sys.executable, "-m", "quantkit.cli", "--no-track", "convert", recipe, "-o", str(out), "-q", "--overwrite",
            "--preflight", "capability"] + (["--nproc", str(nproc)] if nproc > 1 else [])
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()

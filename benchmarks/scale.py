@@ -132,7 +132,7 @@ def convert(model: Path, out: Path, method: str, samples: int, seq_len: int, dev
     t0 = time.perf_counter()
     # pre-flight: the format rules and the capability check only (the engine check starts vLLM, which is no
     # part of a conversion's cost and is absent on the GPU machine)
-    subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(rfile), "-o", str(out), "-q", "--restart",
+    subprocess.run([sys.executable, "-m", "quantkit.cli", "--no-track", "convert", str(rfile), "-o", str(out), "-q", "--restart",
                     "--device", device, "--preflight", "capability"], cwd=REPO, check=True)
     wall = time.perf_counter() - t0
     man = json.loads((out / "manifest.json").read_text())

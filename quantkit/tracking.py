@@ -44,6 +44,19 @@ def enabled(flag: bool | None = None) -> bool:
     return os.environ.get("QUANTKIT_NO_TRACK", "") in ("", "0")
 
 
+def unavailable() -> str | None:
+    """Why the default store cannot be used here (MLflow not installed: a GPU image or a slim install), or None.
+    Only the default store is skipped this way: a store asked for by QUANTKIT_TRACKING_URI still fails closed."""
+    if os.environ.get("QUANTKIT_TRACKING_URI"):
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is None:
+        return ("tracking is off: MLflow is not installed (pip install 'mlflow>=3.1,<4' to record runs; "
+                "QUANTKIT_NO_TRACK=1 silences this line)")
+    return None
+
+
 def store_uri() -> str:
     """The tracking store: QUANTKIT_TRACKING_URI, else the embedded registry's sqlite file."""
     return _store()[0]

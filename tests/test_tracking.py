@@ -61,6 +61,22 @@ def test_no_track_opens_nothing(store, monkeypatch):
     assert store.get_experiment_by_name("quantkit/tiny") is None
 
 
+def test_without_mlflow_the_default_store_is_skipped_but_an_asked_for_store_fails(tmp_path, monkeypatch, capsys):
+    """A GPU image or slim install has no MLflow: the default store is skipped with a notice (the work goes on),
+    while a store the user named must not be skipped silently."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    monkeypatch.delenv("QUANTKIT_NO_TRACK", raising=False)
+    monkeypatch.delenv("QUANTKIT_TRACKING_URI", raising=False)
+    with tracked(_ctx(), "convert", "tiny", "x") as run:
+        assert run is None
+    assert "MLflow is not installed" in capsys.readouterr().err
+    monkeypatch.setenv("QUANTKIT_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
+    assert tracking.unavailable() is None
+
+
 def _only_run(store, model="tiny"):
     exp = store.get_experiment_by_name(f"quantkit/{model}")
     runs = store.search_runs([exp.experiment_id])

@@ -181,6 +181,11 @@ def tracked(ctx: click.Context | None, kind: str, model: str, name: str, tags: d
         return
     from quantkit import tracking
 
+    why_not = tracking.unavailable()
+    if why_not:
+        typer.echo(f"note: {why_not}", err=True)
+        yield None
+        return
     run = tracking.open_run(kind, model, name, tags)
     try:
         with _sigterm_interrupts():
