@@ -201,6 +201,19 @@ def share(tensors: list[torch.Tensor | None] | None, src: int, ranks: Ranks) -> 
     return send
 
 
+def sum_across(tensors: list[torch.Tensor], ranks: Ranks) -> None:
+    """Sum each tensor over every rank, in place (every rank then holds the same sums)."""
+    if ranks.world == 1:
+        return
+    import torch.distributed as dist
+
+    for t in tensors:
+        moved = t.detach().to(ranks.device)
+        dist.all_reduce(moved)
+        if moved is not t:
+            t.copy_(moved)
+
+
 def encode_json(obj) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
 

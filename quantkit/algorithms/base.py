@@ -5,9 +5,11 @@ builds its `stages` schema."""
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 
+from quantkit.algorithms.contract import ScaleSearch
 from quantkit.schemes import SCHEMES
 from quantkit.strict import Strict
 
@@ -69,6 +71,22 @@ class QuantizerStage(Targeted):
     @property
     def is_transform(self) -> bool:
         return False
+
+
+class ScaleSearchOptions(Strict):
+    """The scale observer of a quantizer stage: min/max, or the MSE scale search (quantkit/algorithms/rtn.py
+    ScaleSearch): each group's or channel's range shrunk by `mse_points` ratios from 1.0 down to
+    `mse_min_ratio`, keeping the one with the lowest error (GPTQ weighs it by the input's diag(H))."""
+
+    observer: Literal["minmax", "mse"] = "minmax"
+    mse_min_ratio: float = Field(0.6, gt=0, lt=1, description="the smallest range ratio the MSE search tries")
+    mse_points: int = Field(17, ge=2, le=200, description="ratios tried, evenly spaced from 1.0 to mse_min_ratio")
+
+    def scale_search(self, column_weight=None):
+        """The ScaleSearch this stage asks for (None: min/max)."""
+        if self.observer != "mse":
+            return None
+        return ScaleSearch.grid(self.mse_min_ratio, self.mse_points, column_weight)
 
 
 class TransformStage(Targeted):

@@ -48,6 +48,23 @@ class QuantizedWeight:
         return torch.arange(in_features, device=self.scale.device) // (in_features // n_groups)
 
 
+@dataclass(frozen=True)
+class ScaleSearch:
+    """MSE scale search: try each group's (or channel's) range shrunk by every ratio in `ratios` and keep, per
+    group, the one whose quantization error is lowest. The error is the weight's squared error, each input
+    column weighted by `column_weight` when given (GPTQ passes diag(H): the output error's diagonal part).
+    The ratio 1.0 (min/max) is always tried, so the search never ends with a larger error than min/max."""
+
+    ratios: tuple[float, ...]
+    column_weight: torch.Tensor | None = None  # [in] >= 0
+
+    @staticmethod
+    def grid(min_ratio: float, points: int, column_weight: torch.Tensor | None = None) -> "ScaleSearch":
+        """`points` ratios evenly spaced from 1.0 down to `min_ratio`."""
+        step = (1.0 - min_ratio) / max(points - 1, 1)
+        return ScaleSearch(tuple(1.0 - i * step for i in range(points)), column_weight)
+
+
 @dataclass
 class ChannelStats:
     """A smoothing mapping's inputs over the calibration batch."""

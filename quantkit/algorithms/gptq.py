@@ -35,9 +35,9 @@ from pydantic import Field
 
 from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
                                     quantize_codes)
-from quantkit.algorithms.contract import Observations, QuantizedWeight
+from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
 from quantkit.schemes import WeightSpec
-from quantkit.algorithms.base import QuantizerStage
+from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
 
 
 SYRK_MAX_BYTES = 2 ** 31  # the largest Hessian buffer the CPU's triangle-only (ssyrk) update is used for
@@ -145,14 +145,16 @@ class Factor:
     perm: torch.Tensor | None  # [in] the activation order (None: columns in order)
     dead: torch.Tensor  # [in] bool, columns whose input is always zero (original order)
     damping: float
+    diag: torch.Tensor | None = None  # [in] diag(H) in the original order (the MSE scale search's column weights)
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: WeightSpec, block_size: int = 128,
                   dampening_frac: float = 0.01, actorder: str = "static",
-                  scale_dtype: torch.dtype = torch.bfloat16) -> GPTQResult:
+                  scale_dtype: torch.dtype = torch.bfloat16, search: ScaleSearch | None = None) -> GPTQResult:
     """GPTQ of one weight [out, in] given its input's Hessian [in, in]."""
     with _threads(W.device):
-        return gptq_solve(W, gptq_factor(H, dampening_frac, actorder), spec, block_size, actorder, scale_dtype)
+        return gptq_solve(W, gptq_factor(H, dampening_frac, actorder), spec, block_size, actorder, scale_dtype,
+                          search)
 
 
 @contextmanager
@@ -185,13 +187,14 @@ def gptq_factor(H: torch.Tensor, dampening_frac: float = 0.01, actorder: str = "
     H[dead_p, dead_p] = 1.0
     U, damp = _inverse_cholesky(H, dampening_frac)
     del H
-    return Factor(U, perm, dead, damp)
+    return Factor(U, perm, dead, damp, diag)
 
 
 def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 128, actorder: str = "static",
-               scale_dtype: torch.dtype = torch.bfloat16) -> GPTQResult:
+               scale_dtype: torch.dtype = torch.bfloat16, search: ScaleSearch | None = None) -> GPTQResult:
     """The column sweep of one weight [out, in] with a shared factor. Rows are independent, so the result
-    for a weight does not depend on which other weights share the factor."""
+    for a weight does not depend on which other weights share the factor. `search`: the MSE scale search,
+    its errors weighted by diag(H) (the factor's) unless it brings its own column weights."""
     W = W.detach().float().clone()  # [out, in]
     out_f, in_f = W.shape
     g = group_size_for(spec, in_f)
@@ -200,7 +203,10 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     # NVFP4's per-tensor global scale: from the whole original weight, also when groups are chosen on the way
     gscale = nvfp4_global_scale(W) if spec.scale_format == "fp8" else None
     # static groups (and none): scales from the original weight, fixed up front
-    qp_static = compute_qparams(W, spec, scale_dtype, global_scale=gscale) if actorder != "group" else None
+    if search is not None and search.column_weight is None and f.diag is not None:
+        search = ScaleSearch(search.ratios, f.diag)
+    qp_static = (compute_qparams(W, spec, scale_dtype, global_scale=gscale, search=search)
+                 if actorder != "group" else None)
     perm = f.perm
     if perm is not None:
         W = W[:, perm]
@@ -219,8 +225,10 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     group_scale = torch.empty(out_f, n_groups, device=W.device)
     group_zp = torch.empty(out_f, n_groups, device=W.device) if zp_cols is not None else None
 
+    if search is not None and search.column_weight is not None and perm is not None:
+        search = ScaleSearch(search.ratios, search.column_weight[perm])  # group act-order works in permuted order
     _column_loop(_Sweep(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, scale_dtype,
-                        gscale), block_size)
+                        gscale, search), block_size)
 
     g_idx = None
     if perm is not None:
@@ -251,6 +259,7 @@ class _Sweep:
     g: int  # group size
     scale_dtype: torch.dtype
     global_scale: torch.Tensor | None = None  # NVFP4
+    search: ScaleSearch | None = None  # group act-order's scales, chosen on the way, by the MSE search
 
 
 def _column_loop(s: _Sweep, block_size: int) -> None:
@@ -262,6 +271,7 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
     W, U, Q, losses, spec, g = s.W, s.U, s.Q, s.losses, s.spec, s.g
     scale_cols, zp_cols, group_scale, group_zp, qp_static = s.scale_cols, s.zp_cols, s.group_scale, s.group_zp, s.qp_static
     scale_dtype, global_scale = s.scale_dtype, s.global_scale
+    cw = s.search.column_weight if s.search is not None else None
     in_f = W.shape[1]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
@@ -276,7 +286,9 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
             if qp_static is None and col % g == 0:
                 # group actorder: this group's scale from its (already updated) permuted columns
                 block = torch.cat([W1[i:].t(), W[:, i2:col + g]], dim=1)[:, :g]  # [out, g]
-                qp = compute_qparams(block, _as_channel(spec), scale_dtype, global_scale=global_scale)
+                search = None if s.search is None else ScaleSearch(
+                    s.search.ratios, cw[col:col + g] if cw is not None else None)
+                qp = compute_qparams(block, _as_channel(spec), scale_dtype, global_scale=global_scale, search=search)
                 n_in_block = min(g, i2 - col)
                 S1[i:i + n_in_block] = qp.scale[:, 0]
                 scale_cols[:, col:col + g] = qp.scale
@@ -329,7 +341,7 @@ def _as_channel(spec: WeightSpec) -> WeightSpec:
 
 
 # ------------------------------------------------------------------------------ the method contract
-class GPTQStage(QuantizerStage):
+class GPTQStage(QuantizerStage, ScaleSearchOptions):
     """GPTQ (Frantar et al. 2022): second-order rounding from calibration Hessians."""
 
     method: Literal["gptq"]
@@ -350,7 +362,7 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
     with _threads(weights[0].device if weights else torch.device("cpu")):
         f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder)
         for w in weights:
-            res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype)
+            res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype, stage.scale_search())
             out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
                                        {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
                                        global_scale=res.qparams.global_scale))

@@ -9,6 +9,8 @@ and this one.
 - A quantizer owns modules and produces their codes: `quantize(weights, observations, spec, stage,
   scale_dtype) -> [QuantizedWeight]`, and declares what it needs: "hessian" (the pipeline accumulates
   the group inputs' Hessian) or "nothing".
+- A quantizer may also refine a whole decoder layer after its groups are quantized (`refine_layer`):
+  autoround learns the rounding of every Linear it owns against the float layer's output.
 - A transform rescales a smoothing mapping without changing the float output: `choose_scales(...)`, and
   optionally `refine(...)` on the folded weights.
 - A fine-tune stage trains what the stages before it produced; its loop is quantkit/quantize/finetune.py.
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal
 
-from quantkit.algorithms import awq, gptq, qat, rtn, smoothquant
+from quantkit.algorithms import autoround, awq, gptq, qat, rtn, smoothquant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,9 @@ class QuantizerMethod(Method):
     role: ClassVar[str] = "quantizer"
     quantize: Callable  # (weights, Observations, WeightSpec, stage, scale_dtype) -> list[QuantizedWeight]
     needs: Literal["hessian", "nothing"]
+    # a second pass over the whole decoder layer after its groups are quantized: (LayerProblem, stage,
+    # scale_dtype) -> [QuantizedWeight] (autoround's learned rounding, against the float layer's output)
+    refine_layer: Callable | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +82,9 @@ def method_of(stage) -> Method:
 
 register(QuantizerMethod(name="rtn", stage=rtn.RTNStage, quantize=rtn.quantize, needs="nothing"))
 register(QuantizerMethod(name="gptq", stage=gptq.GPTQStage, quantize=gptq.quantize, needs="hessian"))
+register(QuantizerMethod(name="autoround", stage=autoround.AutoRoundStage, quantize=autoround.quantize, needs="hessian",
+                         refine_layer=autoround.refine_layer,
+                         moe_refusal="autoround does not refine mixture-of-experts layers yet; use gptq"))
 register(TransformMethod(name="awq", stage=awq.AWQStage, choose_scales=awq.choose_scales, refine=awq.refine))
 register(TransformMethod(name="smoothquant", stage=smoothquant.SmoothQuantStage,
                          choose_scales=smoothquant.choose_scales, needs_quantized_activations=True))

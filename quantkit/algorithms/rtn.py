@@ -12,9 +12,11 @@ or above absmax / 6 per group of 32, so nothing clips.
 Scales are rounded to the dtype they are stored in (bf16 by default) *before* codes are computed, so
 the dequantized weight we compute is bit-for-bit what the engine computes from the checkpoint.
 
-Trade-offs: min/max scales waste range on outliers; `clip_search` (a small grid of shrink factors,
-keeping the one with the lowest squared error per group) recovers part of it at a few extra passes
-over the weight. Left out: learned rounding, non-uniform codebooks.
+Trade-offs: min/max scales waste range on outliers; the MSE scale search (`observer: mse` on a stage:
+`ScaleSearch`, a grid of shrink ratios, keeping per group the one with the lowest squared error, weighted
+by the input's diag(H) when GPTQ has it) recovers part of it at a few extra passes over the weight, for
+every format (int, fp8, fp4). Learned rounding: quantkit/algorithms/autoround.py. Left out: non-uniform
+codebooks.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import Literal
 
 import torch
 
-from quantkit.algorithms.contract import Observations, QuantizedWeight
+from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
 from quantkit.schemes import ActivationSpec, WeightSpec
-from quantkit.algorithms.base import QuantizerStage
+from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 FP4_MAX = 6.0  # e2m1: the representable magnitudes are FP4_GRID
@@ -102,9 +104,11 @@ def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, sc
 
 
 def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
-                    clip_search: bool = False, global_scale: torch.Tensor | None = None) -> QParams:
-    """Scales for a [out, in] weight. With `clip_search`, shrink each group's range where that lowers MSE.
-    NVFP4's global scale comes from `w` unless given (GPTQ's group act-order passes the whole weight's)."""
+                    clip_search: bool = False, global_scale: torch.Tensor | None = None,
+                    search: ScaleSearch | None = None) -> QParams:
+    """Scales for a [out, in] weight. `search`: the MSE scale search (ScaleSearch); `clip_search`: its small
+    default grid (1.0 .. 0.75 by 0.05) on the plain weight error. NVFP4's global scale comes from `w` unless
+    given (GPTQ's group act-order passes the whole weight's)."""
     out_f, in_f = w.shape
     g = group_size_for(spec, in_f)
     wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_groups, g]
@@ -112,24 +116,30 @@ def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype 
     if spec.scale_format == "fp8" and global_scale is None:
         global_scale = nvfp4_global_scale(w)
     scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype, global_scale)
-    if clip_search and spec.type == "int":
-        best_err = _group_error(wg, scale, zp, spec)
-        for shrink in (0.95, 0.9, 0.85, 0.8, 0.75):
-            s2, z2 = _minmax_qparams(wmin * shrink, wmax * shrink, spec, scale_dtype)
-            err = _group_error(wg, s2, z2, spec)
+    if search is None and clip_search:
+        search = ScaleSearch((1.0, 0.95, 0.9, 0.85, 0.8, 0.75))
+    if search is not None:
+        cw = None if search.column_weight is None else search.column_weight.float().reshape(1, in_f // g, g)
+        best_err = _group_error(wg, scale, zp, spec, cw)
+        for ratio in search.ratios:
+            if ratio == 1.0:
+                continue
+            s2, z2 = _minmax_qparams(wmin * ratio, wmax * ratio, spec, scale_dtype, global_scale)
+            err = _group_error(wg, s2, z2, spec, cw)
             better = err < best_err
             scale = torch.where(better, s2, scale)
             if zp is not None:
                 zp = torch.where(better, z2, zp)
-            best_err = torch.minimum(err, best_err)
+            best_err = torch.where(better, err, best_err)
     return QParams(scale, zp, g, global_scale if spec.scale_format == "fp8" else None)
 
 
-def _group_error(wg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
+def _group_error(wg: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec,
+                 column_weight: torch.Tensor | None = None) -> torch.Tensor:
     s = scale.unsqueeze(-1)  # [out, n_groups, 1]
     z = zp.unsqueeze(-1) if zp is not None else None
-    deq = dequantize_codes(quantize_codes(wg, s, z, spec), s, z, spec)
-    return (deq - wg).pow(2).sum(-1)  # [out, n_groups]
+    err = (dequantize_codes(quantize_codes(wg, s, z, spec), s, z, spec) - wg).pow(2)  # [out, n_groups, g]
+    return (err if column_weight is None else err * column_weight).sum(-1)  # [out, n_groups]
 
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
@@ -166,8 +176,8 @@ def fake_quantize(w: torch.Tensor, qp: QParams, spec: WeightSpec, g_idx: torch.T
 
 
 def rtn(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
-        clip_search: bool = False) -> tuple[torch.Tensor, QParams]:
-    qp = compute_qparams(w, spec, scale_dtype, clip_search)
+        clip_search: bool = False, search: ScaleSearch | None = None) -> tuple[torch.Tensor, QParams]:
+    qp = compute_qparams(w, spec, scale_dtype, clip_search, search=search)
     return fake_quantize(w, qp, spec), qp
 
 
@@ -215,8 +225,8 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------ the method contract
-class RTNStage(QuantizerStage):
-    """Round-to-nearest: min-max scales, no calibration data needed."""
+class RTNStage(QuantizerStage, ScaleSearchOptions):
+    """Round-to-nearest: min-max (or MSE-searched) scales, no calibration data needed."""
 
     method: Literal["rtn"]
 
@@ -224,8 +234,9 @@ class RTNStage(QuantizerStage):
 def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: RTNStage,
              scale_dtype: torch.dtype) -> list[QuantizedWeight]:
     """Each [out, in] weight on its own; the observations are not needed (RTN uses no data)."""
+    search = stage.scale_search() if isinstance(stage, ScaleSearchOptions) else None  # QAT's start: min/max
     out = []
     for w in weights:
-        deq, qp = rtn(w, spec, scale_dtype)
+        deq, qp = rtn(w, spec, scale_dtype, search=search)
         out.append(QuantizedWeight(deq, qp.scale, qp.zero_point, global_scale=qp.global_scale))
     return out

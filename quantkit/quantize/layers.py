@@ -14,6 +14,7 @@ layer straight from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from quantkit.algorithms.contract import ModuleResult, Observations, QuantizedWe
 from quantkit.quantize.kvcache import KVObserver
 from quantkit.algorithms.registry import QuantizerMethod
 from quantkit.quantize.transforms import apply_transforms
+from quantkit.model.checkpoint import to_layer_device
 from quantkit.quantize.walk import ChunkScheduler, LayerInput, Walk, observing, pause_chunk
 from quantkit.quantize.workdir import WorkDir
 
@@ -268,6 +270,7 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
     quantized = {t.name for t in plan.targets}
     smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
                 if plan.smoothing else {})
+    refining = _Refinement.of(layer, plan, job, pieces)  # autoround: the float layer's outputs, before any change
     groups = GroupInputHooks(plan, layout)
     experts = _ExpertCalibration(plan, job) if plan.moe is not None else None
     kv_policy = job.plan.kv_cache  # k/v scales from the keys and values these (quantized-model) chunks feed attention
@@ -283,12 +286,95 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
                 obs = groups.observations(g)
                 results += (experts.quantize(g, members, obs) if experts is not None and g in plan.experts
                             else quantize_group(layer, plan.prefix, members, job, obs))
+                if refining is not None:
+                    refining.keep(members, obs)
                 obs = None
             scheduler.finish(out)
         finally:
             scheduler.close()
+    if refining is not None:
+        refining.run(results, out)
     _attach(plan, results, kv, smoothed)
     return results, out
+
+
+class _Refinement:
+    """The layer-level pass of quantizers that have one (autoround): after the group pass, each such stage's
+    Linears in this layer are refined together against the float layer's outputs on the same chunks, with the
+    engine's activation quantization in the forward. The next layer's input is then recomputed through the
+    refined layer. (The layer's k/v-cache scales stay those of the group pass, from the start's weights.)"""
+
+    def __init__(self, layer: nn.Module, plan: LayerPlan, job: Job, pieces: list[tuple[torch.Tensor, dict]],
+                 stages: dict[int, list[Target]]):
+        self.layer, self.plan, self.job, self.pieces, self.stages = layer, plan, job, pieces, stages
+        self.floats = {t.name: self._module(t).weight.detach().float().clone() for ts in stages.values() for t in ts}
+        self.hessians: dict[str, torch.Tensor] = {}  # each refined module's input Hessian, for its output SQNR
+        self.reference = self._outputs(quantized=False)
+
+    @classmethod
+    def of(cls, layer, plan: LayerPlan, job: Job, pieces) -> "_Refinement | None":
+        stages: dict[int, list[Target]] = {}
+        for t in plan.targets:
+            if t.quantizer.refine_layer is not None:
+                stages.setdefault(t.stage.index, []).append(t)
+        return cls(layer, plan, job, pieces, stages) if stages else None
+
+    def _module(self, t: Target) -> nn.Module:
+        return self.layer.get_submodule(t.name[len(self.plan.prefix):])
+
+    def _forward(self, i: int) -> torch.Tensor:
+        h, kw = self.pieces[i]
+        y = self.layer(to_layer_device(h, self.layer), **kw)
+        return y[0] if isinstance(y, tuple) else y
+
+    def _outputs(self, quantized: bool) -> list[torch.Tensor]:
+        """The layer's output per chunk: the float layer's (the reference), or with the engine's activation
+        quantization (the next layer's input)."""
+        with observing(self.layer, [_ActivationQuant(self.plan)] if quantized else []):
+            return [self._forward(i) for i in range(len(self.pieces))]
+
+    def keep(self, members: list[Target], obs: Observations) -> None:
+        """A group's observations, for the output SQNR of the members that will be refined."""
+        for t in members:
+            if t.name in self.floats and obs.hessian is not None:
+                self.hessians[t.name] = obs.hessian
+
+    def run(self, results: list[ModuleResult], out: torch.Tensor) -> None:
+        from quantkit.algorithms.autoround import LayerProblem
+        from quantkit.distributed import sum_across
+
+        by_name = {r.name: r for r in results}
+        for targets in self.stages.values():
+            mods = [self._module(t) for t in targets]
+            problem = LayerProblem(mods, [self.floats[t.name] for t in targets], [by_name[t.name].weight for t in targets],
+                                   targets[0].scheme.weights, self._forward, self.reference, list(range(len(self.pieces))),
+                                   None if self.job.ranks.world == 1 else (lambda ts: sum_across(ts, self.job.ranks)))
+            with _trainable(self.layer), observing(self.layer, [_ActivationQuant(self.plan)]), torch.enable_grad():
+                refined = targets[0].quantizer.refine_layer(problem, targets[0].stage.config, self.job.scale_dtype)
+            for t, m, q in zip(targets, mods, refined):
+                r = by_name[t.name]
+                r.weight = q
+                r.stats.update({k: v for k, v in q.stats.items() if k.startswith("autoround_")})
+                r.stats["weight_sqnr_db"] = round(sqnr_db(self.floats[t.name], q.weight), 3)
+                if t.name in self.hessians:
+                    r.stats["output_sqnr_db"] = round(output_sqnr_db(self.floats[t.name], q.weight, self.hessians[t.name]), 3)
+                m.weight.data = q.weight.to(m.weight.dtype)
+                if self.job.on_weight is not None:
+                    self.job.on_weight(t.name, q.weight.detach().cpu().clone())
+        torch.cat(self._outputs(quantized=True), out=out)  # the next input, through the refined layer
+
+
+@contextlib.contextmanager
+def _trainable(layer: nn.Module):
+    """The layer's own parameters frozen (only the learned grids take gradients), restored after."""
+    saved = [(p, p.requires_grad) for p in layer.parameters()]
+    for p, _ in saved:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, rg in saved:
+            p.requires_grad_(rg)
 
 
 def _attach(plan: LayerPlan, results: list[ModuleResult], kv: KVObserver | None, smoothed: dict) -> None:

@@ -1,0 +1,238 @@
+"""Learned rounding by signed gradient descent (the SignRound idea of Cheng et al. 2023, "Optimize Weight Rounding
+via Signed Gradient Descent"; our own implementation), one decoder layer at a time.
+
+Start: every Linear the stage owns is first quantized by GPTQ or RTN (`init`) like any quantizer, in the layer
+walk's group pass, so the result can only start from a good point. Then, for the whole decoder layer at once:
+
+- each weight gets a rounding offset V in [-0.5, 0.5] per element, added before rounding, and (with `learn_clip`)
+  a range factor per group in [clip_min, 1] that shrinks the group's max (and, asymmetric, its min) before the
+  scale is derived, exactly as the scale of the start was derived (rounded to its storage dtype);
+- the layer's output on calibration chunks is compared with the float layer's output on the same inputs
+  (mean squared error), gradients reach V and the factors through straight-through rounding, and every
+  parameter moves by `lr x sign(gradient)` with lr decaying linearly to zero over `steps`;
+- the parameters with the lowest chunk loss seen are kept, and they replace the start only if they also
+  lower the error over every calibration chunk: the refinement never leaves a layer worse than its start.
+
+What is learned is frozen to the integer grid: the export holds ordinary int codes and scales (int4/int8,
+symmetric or with zero points, groups or channels, GPTQ's g_idx kept), so nothing changes for the engine.
+
+Cost: `steps` forward + backward passes of one layer over one chunk (`calibration.batch_size` samples)
+each, plus two full passes (the float reference and the final check). Across `--nproc` processes each
+process steps through its own chunks and the gradients are summed before the sign is taken (deterministic
+per world size). Left out: FP4/FP8 grids (refused by the recipe), learning the scales' exponent directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from quantkit.algorithms import gptq, rtn
+from quantkit.algorithms.contract import Observations, QuantizedWeight
+from quantkit.algorithms.gptq import GPTQStage
+from quantkit.schemes import SCHEMES, WeightSpec
+
+log = logging.getLogger("quantkit")
+
+
+class AutoRoundStage(GPTQStage):
+    """Learned rounding and clipping per decoder layer (sign-gradient descent), from a GPTQ or RTN start. GPTQ's
+    fields (block_size, dampening_frac, actorder) and the scale observer apply to the start."""
+
+    method: Literal["autoround"]  # type: ignore[assignment]
+    init: Literal["gptq", "rtn"] = Field("gptq", description="what the learned rounding starts from")
+    steps: int = Field(100, ge=1, le=100000, description="sign-gradient steps per decoder layer")
+    lr: float | None = Field(None, gt=0, le=1, description="step size (None: 2 / steps), decayed linearly to 0")
+    learn_clip: bool = Field(True, description="also learn a range factor per group")
+    clip_min: float = Field(0.7, gt=0, le=1, description="the smallest range factor learned")
+
+    @model_validator(mode="after")
+    def _int_grid(self) -> "AutoRoundStage":
+        w = SCHEMES[self.scheme].weights if self.scheme in SCHEMES else None
+        if w is not None and w.type != "int":
+            raise ValueError(f"scheme {self.scheme} has {w.type} weights; autoround learns rounding on an int "
+                             "grid (W4A16, W4A16_ASYM, W8A8, W8A16, ...). Use gptq for FP8/FP4 schemes")
+        return self
+
+    @property
+    def step_size(self) -> float:
+        return self.lr if self.lr is not None else 2.0 / self.steps
+
+
+def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: AutoRoundStage,
+             scale_dtype: torch.dtype) -> list[QuantizedWeight]:
+    """The start of the learned rounding, in the group pass: GPTQ's or RTN's result."""
+    start = gptq.quantize if stage.init == "gptq" else rtn.quantize
+    return start(weights, obs, spec, stage, scale_dtype)
+
+
+# ------------------------------------------------------------------------------------- the learned grid
+def _ste_round(x: torch.Tensor) -> torch.Tensor:
+    return x + (torch.round(x) - x).detach()
+
+
+def _ste_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x + (x.to(dtype).float() - x).detach()
+
+
+class LearnedGrid(nn.Module):
+    """One weight's learnable rounding (V) and range factors around a start (QuantizedWeight)."""
+
+    def __init__(self, w_float: torch.Tensor, start: QuantizedWeight, spec: WeightSpec, init: str,
+                 scale_dtype: torch.dtype, learn_clip: bool):
+        super().__init__()
+        self.spec, self.scale_dtype, self.learn_clip = spec, scale_dtype, learn_clip
+        # what is rounded: the float weight (RTN start) or GPTQ's result, which sits on the start's grid
+        self.register_buffer("base", (w_float if init == "rtn" else start.weight).float().clone())
+        self.register_buffer("cols", start.columns())
+        self.g_idx = start.g_idx
+        s = start.scale.float()
+        if spec.symmetric:
+            hi, lo = s * spec.qmax, -s * spec.qmax
+        else:  # the range the start's grid covers
+            hi, lo = (spec.qmax - start.zero_point) * s, (spec.qmin - start.zero_point) * s
+        self.register_buffer("hi", hi)
+        self.register_buffer("lo", lo)
+        self.V = nn.Parameter(torch.zeros_like(self.base))
+        self.a_hi = nn.Parameter(torch.ones_like(s))
+        self.a_lo = nn.Parameter(torch.ones_like(s))
+
+    def qparams(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale (and zero point) per group, derived from the shrunk range as the start's were."""
+        spec = self.spec
+        hi, lo = self.hi * self.a_hi, self.lo * (self.a_lo if not spec.symmetric else self.a_hi)
+        if spec.symmetric:
+            absmax = torch.maximum(hi.abs(), lo.abs())
+            return _ste_cast((absmax / spec.qmax).clamp(min=1e-10), self.scale_dtype), None
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+        scale = _ste_cast(((hi - lo) / (spec.qmax - spec.qmin)).clamp(min=1e-10), self.scale_dtype)
+        zp = torch.round(spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).detach()
+        return scale, zp
+
+    def forward(self) -> torch.Tensor:
+        """The dequantized weight [out, in] (fp32), differentiable in V and the range factors."""
+        scale, zp = self.qparams()
+        s = scale[:, self.cols]
+        z = zp[:, self.cols] if zp is not None else 0.0
+        q = torch.clamp(_ste_round(self.base / s + self.V) + z, self.spec.qmin, self.spec.qmax)
+        return (q - z) * s
+
+    def range_factors(self) -> list[nn.Parameter]:
+        """The learned range factors: the max's, and the min's too with a zero point (symmetric: one)."""
+        return [self.a_hi] if self.spec.symmetric else [self.a_hi, self.a_lo]
+
+    @torch.no_grad()
+    def clamp_(self, clip_min: float) -> None:
+        self.V.clamp_(-0.5, 0.5)
+        self.a_hi.clamp_(clip_min, 1.0)
+        self.a_lo.clamp_(clip_min, 1.0)
+
+    @torch.no_grad()
+    def frozen(self, stats: dict) -> QuantizedWeight:
+        scale, zp = self.qparams()
+        return QuantizedWeight(self.forward().detach().clone(), scale.detach().clone(),
+                               zp.clone() if zp is not None else None, self.g_idx, stats)
+
+
+# ------------------------------------------------------------------------------------- the layer loop
+@dataclass
+class LayerProblem:
+    """What refining one decoder layer needs: its learnable weights, how to run it, and the targets."""
+
+    modules: list[nn.Linear]  # the Linears the stage owns in this layer (weights: the start's dequantized)
+    floats: list[torch.Tensor]  # their float weights [out, in]
+    starts: list[QuantizedWeight]  # the start (GPTQ's / RTN's result)
+    spec: WeightSpec
+    forward: Callable[[int], torch.Tensor]  # chunk index -> the layer's output on that chunk
+    reference: list[torch.Tensor]  # the float layer's output per chunk
+    chunks: list[int]  # this process's chunk indices, in order
+    all_reduce: Callable[[list[torch.Tensor]], None] | None = None  # sums gradients across processes
+
+
+def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtype) -> list[QuantizedWeight]:
+    """Learn the layer's rounding and ranges; the frozen result, or the start where learning did not lower the
+    error over every calibration chunk. Stats per weight: the layer's error before and after, steps, seconds."""
+    t0 = time.perf_counter()
+    start_err = _layer_error(p)  # the start as the group pass left it (module weights: the start's)
+    grids = [LearnedGrid(w, q, p.spec, stage.init, scale_dtype, stage.learn_clip).to(w.device)
+             for w, q in zip(p.floats, p.starts)]
+    params = [g.V for g in grids] + ([t for g in grids for t in g.range_factors()] if stage.learn_clip else [])
+    with _learned(p.modules, grids):
+        best = _descend(p, grids, params, stage)
+        with torch.no_grad():
+            for prm, b in zip(params, best):
+                prm.copy_(b)
+        end_err = _layer_error(p)
+        learned = [g.frozen({}) for g in grids]
+    kept = end_err >= start_err
+    stats = {"autoround_error_start": start_err, "autoround_error": min(start_err, end_err),
+             "autoround_steps": stage.steps, "autoround_kept_start": kept,
+             "autoround_seconds": round(time.perf_counter() - t0, 3)}
+    out = p.starts if kept else learned
+    for q in out:
+        q.stats = {**q.stats, **stats}
+    return out
+
+
+def _descend(p: LayerProblem, grids: list[LearnedGrid], params: list[nn.Parameter],
+             stage: AutoRoundStage) -> list[torch.Tensor]:
+    """Sign-gradient descent over the chunks in turn; returns the parameters with the lowest chunk loss seen."""
+    best_loss, best = float("inf"), [prm.detach().clone() for prm in params]
+    for t in range(stage.steps):
+        i = t % len(p.reference) if p.reference else None
+        if i is None:  # a process with no chunk: it adds nothing to the sums
+            loss, grads = torch.zeros(()), [torch.zeros_like(prm) for prm in params]
+        else:
+            diff = p.forward(i).float() - p.reference[i].float()
+            loss = diff.pow(2).mean()
+            grads = list(torch.autograd.grad(loss, params))
+            loss = loss.detach()
+        if p.all_reduce is not None:
+            p.all_reduce([loss.reshape(1), *grads])
+        if float(loss) < best_loss:  # the loss of the parameters before this step's update
+            best_loss = float(loss)
+            best = [prm.detach().clone() for prm in params]
+        lr = stage.step_size * (1.0 - t / stage.steps)
+        with torch.no_grad():
+            for prm, g in zip(params, grads):
+                prm.sub_(g.sign(), alpha=lr)
+        for g in grids:
+            g.clamp_(stage.clip_min)
+    return best
+
+
+@torch.no_grad()
+def _layer_error(p: LayerProblem) -> float:
+    """Squared error of the layer's output against the float layer's, per element, over every chunk (and process)."""
+    sse, n = torch.zeros(()), torch.zeros(())
+    for i, ref in enumerate(p.reference):
+        sse += (p.forward(i).float() - ref.float()).pow(2).sum().cpu()
+        n += ref.numel()
+    acc = [sse.reshape(1).double(), n.reshape(1).double()]
+    if p.all_reduce is not None:
+        p.all_reduce(acc)
+    return float(acc[0] / acc[1].clamp(min=1))
+
+
+class _learned:
+    """The modules compute with their learned grid's weight for the block (their stored weights untouched)."""
+
+    def __init__(self, modules: list[nn.Linear], grids: list[LearnedGrid]):
+        self.modules, self.grids = modules, grids
+
+    def __enter__(self):
+        for m, g in zip(self.modules, self.grids):
+            m.forward = (lambda x, m=m, g=g: nn.functional.linear(x, g().to(x.dtype),
+                                                                  m.bias.to(x.dtype) if m.bias is not None else None))
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            del m.forward
+        return False
