@@ -64,6 +64,27 @@ print(json.dumps({"convert_s": round(time.perf_counter() - t0, 1), "quantize_s":
 """
 
 
+def _block_times(log: str) -> tuple[list[int], list[int]]:
+    """Per decoder block: seconds from the previous block's end (the first from 'caching done'; it includes
+    torch.compile's warm-up where auto-round enables it, iters >= 10) to the log line after its 'quantized ...
+    in the block' line, and the SignRound step whose loss was kept (0: no step beat round-to-nearest)."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", log).replace("\r", "\n").splitlines()
+    stamp = lambda l: re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ", l)  # noqa: E731
+    secs = lambda m: time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))  # noqa: E731
+    last, pending, block_s, best = None, False, [], []
+    for line in lines:
+        m = stamp(line)
+        if m and "caching done" in line:
+            last = secs(m)
+        elif m and pending and last is not None:
+            block_s.append(round(secs(m) - last))
+            last, pending = secs(m), False
+        if (b := re.search(r"layers in the block, loss iter 0: \S+ -> iter (\d+)", line)):
+            best.append(int(b.group(1)))
+            pending = True
+    return block_s, best
+
+
 def run_autoround(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path, iters: int, nsamples: int,
                   seqlen: int, group_size: int = 64, bits: int = 4, sym: bool = True, lr: float | None = None,
                   layers: int | None = None, batch_size: int = 8) -> dict:
@@ -91,14 +112,16 @@ def run_autoround(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path
     (out_dir / "autoround.log").write_text(proc.stderr)
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     tuning = re.search(r"quantization tuning time ([\d.]+)", proc.stderr)
-    blocks = len(re.findall(r"quantized \d+/\d+ layers in the block", proc.stderr))
     summary = re.search(r"Summary: quantized (\d+)/(\d+)", proc.stderr)
     tuning_s = float(tuning.group(1)) if tuning else None
+    block_s, best_iter = _block_times(proc.stderr)
+    blocks = len(best_iter)
     return {"anchor": "auto-round", "run": f"AutoRound(scheme=W4A16, bits={bits}, group_size={group_size}, sym={sym}, "
                                            f"iters={iters}, lr={lr or '1/iters'}, batch_size={batch_size}, "
                                            f"device_map=cpu).quantize()", **cfg, "nsamples": nsamples,
             "seqlen": seqlen, "wall_s": round(wall, 1), **child, "tuning_s": tuning_s, "blocks_tuned": blocks,
-            "per_layer_s": round(tuning_s / blocks, 2) if tuning_s and blocks else None,
+            "per_layer_s": round(tuning_s / blocks, 2) if tuning_s and blocks else None,  # mean, 1st block too
+            "block_s": block_s, "best_iter": best_iter,   # per block, from log timestamps (1 s); best SignRound step
             "linears_quantized": f"{summary.group(1)}/{summary.group(2)}" if summary else None}
 
 

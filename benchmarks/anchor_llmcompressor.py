@@ -50,6 +50,18 @@ print(json.dumps({"convert_s": round(time.perf_counter() - t0, 1), "peak_rss_mb"
 """
 
 
+def run_llmcompressor(python: str, model_dir: Path, ids_file: Path, out: Path, dtype: str = "float32") -> dict:
+    """llm-compressor's GPTQ (W4A16 g64 sym, static act-order) on the token ids in `ids_file`, in the anchor venv
+    `python`; writes its checkpoint to `out`. Returns its JSON (convert_s, peak_rss_mb) plus wall_s."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([python, "-c", CHILD, str(model_dir), str(ids_file), str(out), dtype], capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"llm-compressor failed:\n{proc.stderr[-4000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "wall_s": round(wall, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", required=True, help="the anchor venv's python")
@@ -76,13 +88,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="qk-anchor-") as td:
         ids_file, out = Path(td) / "ids.safetensors", Path(td) / "llmcompressor"
         save_file({"input_ids": calib.input_ids.contiguous()}, str(ids_file))
-        t0 = time.perf_counter()
-        proc = subprocess.run([args.python, "-c", CHILD, str(model_dir), str(ids_file), str(out), args.dtype],
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode:
-            sys.exit(f"llm-compressor failed:\n{proc.stderr[-4000:]}")
-        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        child = run_llmcompressor(args.python, model_dir, ids_file, out, args.dtype)
+        wall = child.pop("wall_s")
         from quantkit.hardware import hardware
 
         result = {"anchor": "llm-compressor", "hardware": hardware(), "dtype": args.dtype, "samples": args.samples,

@@ -5,7 +5,7 @@ Start: every Linear the stage owns is first quantized by GPTQ or RTN (`init`) li
 walk's group pass, so the result can only start from a good point. Then, for the whole decoder layer at once:
 
 - each weight gets a rounding offset V in [-0.5, 0.5] per element, added before rounding, and (with `learn_clip`)
-  a range factor per group in [clip_min, 1] that shrinks the group's max (and, asymmetric, its min) before the
+  a range factor per group in [clip_min, 1] (by default from an RTN start only) that shrinks the group's max (and, asymmetric, its min) before the
   scale is derived, exactly as the scale of the start was derived (rounded to its storage dtype);
 - the layer's output on calibration chunks is compared with the float layer's output on the same inputs
   (mean squared error), gradients reach V and the factors through straight-through rounding, and every
@@ -48,8 +48,9 @@ class AutoRoundStage(GPTQStage):
     method: Literal["autoround"]  # type: ignore[assignment]
     init: Literal["gptq", "rtn"] = Field("gptq", description="what the learned rounding starts from")
     steps: int = Field(100, ge=1, le=100000, description="sign-gradient steps per decoder layer")
-    lr: float | None = Field(None, gt=0, le=1, description="step size (None: 2 / steps), decayed linearly to 0")
-    learn_clip: bool = Field(True, description="also learn a range factor per group")
+    lr: float | None = Field(None, gt=0, le=1, description="step size (None: 1 / steps), decayed linearly to 0")
+    learn_clip: bool | None = Field(None, description="also learn a range factor per group (None: from an RTN "
+                                                      "start only; GPTQ's error feedback is built on its scales)")
     clip_min: float = Field(0.7, gt=0, le=1, description="the smallest range factor learned")
 
     @model_validator(mode="after")
@@ -62,14 +63,22 @@ class AutoRoundStage(GPTQStage):
 
     @property
     def step_size(self) -> float:
-        return self.lr if self.lr is not None else 2.0 / self.steps
+        # every parameter moves by the step size each step, so 1 / steps bounds the total travel to 0.5 (half
+        # a code); 2 / steps with learned ranges made the demo model's layer 0 error 12x worse in 5 steps
+        return self.lr if self.lr is not None else 1.0 / self.steps
+
+    @property
+    def learns_ranges(self) -> bool:
+        # from GPTQ's start, learning the ranges raised layer 0's chunk losses (30 steps, lr 0.005: 0.0125 -> 0.018)
+        return self.learn_clip if self.learn_clip is not None else self.init == "rtn"
 
 
 def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: AutoRoundStage,
              scale_dtype: torch.dtype) -> list[QuantizedWeight]:
     """The start of the learned rounding, in the group pass: GPTQ's or RTN's result."""
-    start = gptq.quantize if stage.init == "gptq" else rtn.quantize
-    return start(weights, obs, spec, stage, scale_dtype)
+    if stage.init == "gptq":  # with the weight GPTQ rounded: the learned rounding starts from it
+        return gptq.quantize(weights, obs, spec, stage, scale_dtype, keep_rounded=True)
+    return rtn.quantize(weights, obs, spec, stage, scale_dtype)
 
 
 # ------------------------------------------------------------------------------------- the learned grid
@@ -85,11 +94,14 @@ class LearnedGrid(nn.Module):
     """One weight's learnable rounding (V) and range factors around a start (QuantizedWeight)."""
 
     def __init__(self, w_float: torch.Tensor, start: QuantizedWeight, spec: WeightSpec, init: str,
-                 scale_dtype: torch.dtype, learn_clip: bool):
+                 scale_dtype: torch.dtype):
         super().__init__()
-        self.spec, self.scale_dtype, self.learn_clip = spec, scale_dtype, learn_clip
-        # what is rounded: the float weight (RTN start) or GPTQ's result, which sits on the start's grid
-        self.register_buffer("base", (w_float if init == "rtn" else start.weight).float().clone())
+        self.spec, self.scale_dtype = spec, scale_dtype
+        # what is rounded: the float weight (RTN's start) or the weight GPTQ rounded (its columns as its error
+        # feedback left them), so that with V = 0 the codes are the start's and their distances to the rounding
+        # boundaries are spread, not all at 0.5
+        base = start.rounded if start.rounded is not None else (w_float if init == "rtn" else start.weight)
+        self.register_buffer("base", base.float().clone())
         self.register_buffer("cols", start.columns())
         self.g_idx = start.g_idx
         s = start.scale.float()
@@ -160,9 +172,8 @@ def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtyp
     error over every calibration chunk. Stats per weight: the layer's error before and after, steps, seconds."""
     t0 = time.perf_counter()
     start_err = _layer_error(p)  # the start as the group pass left it (module weights: the start's)
-    grids = [LearnedGrid(w, q, p.spec, stage.init, scale_dtype, stage.learn_clip).to(w.device)
-             for w, q in zip(p.floats, p.starts)]
-    params = [g.V for g in grids] + ([t for g in grids for t in g.range_factors()] if stage.learn_clip else [])
+    grids = [LearnedGrid(w, q, p.spec, stage.init, scale_dtype).to(w.device) for w, q in zip(p.floats, p.starts)]
+    params = [g.V for g in grids] + ([t for g in grids for t in g.range_factors()] if stage.learns_ranges else [])
     with _learned(p.modules, grids):
         best = _descend(p, grids, params, stage)
         with torch.no_grad():
@@ -177,6 +188,7 @@ def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtyp
     out = p.starts if kept else learned
     for q in out:
         q.stats = {**q.stats, **stats}
+        q.rounded = None  # served its purpose: not kept with the layer's results
     return out
 
 
@@ -195,6 +207,8 @@ def _descend(p: LayerProblem, grids: list[LearnedGrid], params: list[nn.Paramete
             loss = loss.detach()
         if p.all_reduce is not None:
             p.all_reduce([loss.reshape(1), *grads])
+        if t % 10 == 0:
+            log.debug("autoround step %d: chunk loss %.6g", t, float(loss))
         if float(loss) < best_loss:  # the loss of the parameters before this step's update
             best_loss = float(loss)
             best = [prm.detach().clone() for prm in params]

@@ -39,6 +39,9 @@ class QuantizedWeight:
     # NVFP4: the per-tensor global scale (a power of two); `scale` is then the effective group scale,
     # scale * global_scale being the fp8 value the export stores
     global_scale: torch.Tensor | None = None
+    # what was rounded to the codes, when it is not the original weight: GPTQ's error-compensated weight
+    # [out, in] fp32 (a learned rounding starts from it; it is not exported, and freed with the layer)
+    rounded: torch.Tensor | None = None
 
     def columns(self) -> torch.Tensor:
         """[in] column -> group: g_idx when there is one, else contiguous groups of equal size."""

@@ -116,6 +116,7 @@ class GPTQResult:
     g_idx: torch.Tensor | None  # [in] int32 column -> group, only for actorder "group"
     loss: torch.Tensor  # [out] per-row GPTQ objective sum (w - q)^2 / U_ii^2 / 2
     damping: float  # the absolute dampening finally added to diag(H)
+    rounded: torch.Tensor | None = None  # [out, in] each column as it was when rounded (error-compensated)
 
 
 def _inverse_cholesky(H: torch.Tensor, frac: float, max_tries: int = 6) -> tuple[torch.Tensor, float]:
@@ -233,13 +234,13 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     g_idx = None
     if perm is not None:
         inv = torch.argsort(perm)
-        Q = Q[:, inv]
+        Q, W = Q[:, inv], W[:, inv]
     if qp_static is not None:
         qparams = qp_static
     else:
         qparams = QParams(group_scale, group_zp, g, gscale)
         g_idx = (inv // g).to(torch.int32)  # original column -> group
-    return GPTQResult(Q, qparams, g_idx, losses, f.damping)
+    return GPTQResult(Q, qparams, g_idx, losses, f.damping, W)
 
 
 @dataclass
@@ -302,6 +303,7 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
             torch.sub(w, q, out=err).div_(U1[i, i])
             W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)  # [b - i - 1, out] -= U1[i, i+1:] (x) err
         Q[:, i1:i2] = Q1.t()
+        W[:, i1:i2] = W1.t()  # each column as it was rounded (nothing updates a column after its turn)
         losses += E1.pow(2).sum(0) / 2
         W[:, i2:] -= E1.t() @ U[i1:i2, i2:]  # [out, b] @ [b, in - i2]
 
@@ -355,7 +357,7 @@ class GPTQStage(QuantizerStage, ScaleSearchOptions):
 
 
 def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: GPTQStage,
-             scale_dtype: torch.dtype) -> list[QuantizedWeight]:
+             scale_dtype: torch.dtype, keep_rounded: bool = False) -> list[QuantizedWeight]:
     """The group's weights share an input: one factorisation of its Hessian, then one sweep per weight
     (each weight's result is the same whichever others share the call, which lets ranks split a group)."""
     out = []
@@ -365,5 +367,6 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
             res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype, stage.scale_search())
             out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
                                        {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
-                                       global_scale=res.qparams.global_scale))
+                                       global_scale=res.qparams.global_scale,
+                                       rounded=res.rounded if keep_rounded else None))
     return out

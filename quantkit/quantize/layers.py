@@ -147,10 +147,10 @@ def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: J
     for k in range(len(mods)):
         q = got.get(k)
         t = share([q.weight, q.scale, q.zero_point, q.g_idx, encode_json({"stats": q.stats, "seconds": each}),
-                   q.global_scale] if q is not None else None, owner[k], r)
+                   q.global_scale, q.rounded] if q is not None else None, owner[k], r)
         extra = decode_json(t[4])
         pieces.append(q if q is not None else QuantizedWeight(t[0], t[1], t[2], t[3], extra["stats"],
-                                                              global_scale=t[5]))
+                                                              global_scale=t[5], rounded=t[6]))
         seconds.append(extra["seconds"])
     return pieces, seconds
 

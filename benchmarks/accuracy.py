@@ -1,0 +1,128 @@
+"""Accuracy side by side: quantkit's W4A16 methods and the peers' on the same model, calibration tokens and held-out
+text, in one run on one machine. Prints one JSON document (and writes it to --out when given).
+
+    python benchmarks/accuracy.py --samples 32                       # quantkit's rows only
+    python benchmarks/accuracy.py --samples 32 --rows gptq,autoround-gptq \
+        --llmcompressor /tmp/anchor-venv/bin/python --autoround /tmp/autoround-venv/bin/python
+
+Every quantkit row is `recipes/smollm2-w4a16-gptq.yaml` (W4A16 int4, group 64, symmetric; `num_samples` x 512
+calibration tokens from its builtin sources, seed 0) with its stages replaced as ROWS says, converted in its own
+process without tracking. The peers get the same token ids (a safetensors file) in their own venvs
+(benchmarks/anchor_llmcompressor.py, benchmarks/anchor_autoround.py). Perplexity: transformers, fp32, on
+calibration/heldout/technical.txt (text no calibration source contains), 512-token windows, for the float model
+and every result; `ratio` is result / float. Wall time includes each process's start; peak RSS is the
+converting process's own (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+RECIPE = "recipes/smollm2-w4a16-gptq.yaml"
+W4 = "scheme: W4A16, group_size: 64"
+AWQ = "{method: awq, grid: 20, duo_scaling: true, clip: true, max_tokens: 2048}"
+
+
+def _rows(steps: int) -> dict[str, list[str]]:
+    """Row name -> the recipe's stages (YAML flow maps)."""
+    ar = f"method: autoround, {W4}, steps: {steps}"
+    return {
+        "rtn": [f"{{method: rtn, {W4}}}"],
+        "rtn-mse": [f"{{method: rtn, {W4}, observer: mse}}"],
+        "gptq": [f"{{method: gptq, {W4}, actorder: static}}"],
+        "gptq-mse": [f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
+        "awq-gptq": [AWQ, f"{{method: gptq, {W4}, actorder: static}}"],
+        "autoround-rtn": [f"{{{ar}, init: rtn}}"],
+        "autoround-gptq": [f"{{{ar}, init: gptq}}"],
+        "autoround-gptq-mse": [f"{{{ar}, init: gptq, observer: mse}}"],
+        "awq-autoround-gptq": [AWQ, f"{{{ar}, init: gptq}}"],
+    }
+
+
+def convert_row(name: str, stages: list[str], out: Path, samples: int, batch: int) -> dict:
+    sets = [f"stages=[{', '.join(stages)}]", f"calibration.num_samples={samples}", f"calibration.batch_size={batch}"]
+    cmd = [sys.executable, "-m", "quantkit.cli", "--no-track", "convert", RECIPE, "-o", str(out), "-q", "--overwrite",
+           "--preflight", "capability", *(a for s in sets for a in ("--set", s))]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    man = json.loads((out / "manifest.json").read_text())
+    layers = man.get("layers", {})
+    kept = [v.get("autoround_kept_start") for v in layers.values() if "autoround_kept_start" in v]
+    return {"row": name, "toolkit": "quantkit", "stages": stages, "wall_s": round(wall, 1),
+            "convert_s": man["conversion"]["wall_time_s"], "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),
+            "calibration_fingerprint": man["calibration"]["fingerprint"][:16],
+            **({"autoround_modules_kept_start": f"{sum(kept)} of {len(kept)}"} if kept else {})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=32, help="calibration samples of 512 tokens")
+    ap.add_argument("--batch", type=int, default=2, help="calibration.batch_size (autoround: samples per step)")
+    ap.add_argument("--steps", type=int, default=50, help="autoround steps per layer (ours and intel's)")
+    ap.add_argument("--rows", default=None, help="comma-separated quantkit rows (default: all)")
+    ap.add_argument("--llmcompressor", help="python of a venv with llm-compressor (its GPTQ row)")
+    ap.add_argument("--autoround", help="python of a venv with intel auto-round (its row, at --steps)")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from convert import perplexity
+    from quantkit.data import build_calibration_set
+    from quantkit.hardware import hardware
+    from quantkit.model.sources import ensure_demo_model
+    from quantkit.recipe import load_recipe
+
+    rows = _rows(args.steps)
+    names = args.rows.split(",") if args.rows else list(rows)
+    model_dir = ensure_demo_model("smollm2-135m", quiet=True)
+    calib = build_calibration_set(load_recipe(REPO / RECIPE, [f"calibration.num_samples={args.samples}"]).calibration,
+                                  AutoTokenizer.from_pretrained(model_dir))
+    result = {"model": "SmolLM2-135M", "scheme": "W4A16 int4 g64 symmetric", "samples": args.samples, "seq_len": 512,
+              "autoround_steps": args.steps, "batch": args.batch, "hardware": hardware(),
+              "calibration_fingerprint": calib.fingerprint[:16], "float_perplexity": perplexity(model_dir), "rows": []}
+
+    def add(row: dict, folder: Path) -> None:
+        row["perplexity"] = perplexity(folder)
+        row["ratio"] = round(row["perplexity"] / result["float_perplexity"], 4)
+        result["rows"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="qk-accuracy-") as td:
+        for name in names:
+            out = Path(td) / name
+            add(convert_row(name, rows[name], out, args.samples, args.batch), out)
+        ids_file = Path(td) / "ids.safetensors"
+        save_file({"input_ids": calib.input_ids.contiguous()}, str(ids_file))
+        if args.llmcompressor:
+            from anchor_llmcompressor import run_llmcompressor
+
+            out = Path(td) / "llmcompressor"
+            add({"row": "llmcompressor-gptq", "toolkit": "llm-compressor", "dtype": "float32",
+                 **run_llmcompressor(args.llmcompressor, model_dir, ids_file, out, "float32")}, out)
+        if args.autoround:
+            from anchor_autoround import run_autoround
+
+            out = Path(td) / "intel-autoround"
+            ran = run_autoround(args.autoround, model_dir, calib.input_ids, out, iters=args.steps,
+                                nsamples=args.samples, seqlen=512, batch_size=args.batch)
+            add({"row": "intel-autoround", "toolkit": "auto-round", **ran}, out)
+    result["rows"].sort(key=lambda r: r["perplexity"])
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
