@@ -141,3 +141,30 @@ def test_mse_search_never_raises_the_error_it_minimises_and_helps_heavy_tails(na
         assert (per_group(found - w) <= per_group(plain - w) + 1e-12).all()  # group by group
         if weight is None and name in ("W4A16", "W4A16_ASYM"):  # int4 on heavy tails: clipping pays
             assert sqnr_db(w, found) > sqnr_db(w, plain) + 0.1
+
+
+def test_a_converted_model_records_the_learned_layers_and_resumes_to_the_same_bytes(tiny_llama, calib_text, tmp_path):
+    """Through the layer walk: every layer's learned rounding is recorded in the manifest, lowers the layer error
+    where it replaces the start, and a second conversion gives the same bytes (deterministic)."""
+    import json
+
+    from conftest import tiny_recipe
+    from quantkit import api
+    from quantkit.recipe import parse_recipe
+
+    stages = [{"method": "autoround", "scheme": "W4A16", "group_size": 16, "init": "rtn", "steps": 15}]
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"out{k}"
+        api.convert(parse_recipe(tiny_recipe(tiny_llama, calib_text, stages)), out, quiet=True)
+        outs.append(out)
+    layers = json.loads((outs[0] / "manifest.json").read_text())["layers"]
+    learned = [v for v in layers.values() if "autoround_error" in v]
+    assert learned and len(learned) == len(layers)
+    assert any(not v["autoround_kept_start"] for v in learned)
+    for v in learned:
+        assert v["autoround_error"] <= v["autoround_error_start"]
+        if not v["autoround_kept_start"]:
+            assert v["autoround_error"] < v["autoround_error_start"]
+    a = sorted(outs[0].glob("*.safetensors"))
+    assert a and all(x.read_bytes() == (outs[1] / x.name).read_bytes() for x in a)

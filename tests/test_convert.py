@@ -53,6 +53,11 @@ def _reload(out):
     ([{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "static"}], True, 1e-5),
     ([{"method": "rtn", "scheme": "W8A8"}], False, 0.1),
     ([{"method": "gptq", "scheme": "W8A8"}], True, 0.1),
+    # learned rounding, frozen onto the same grids: from GPTQ (group act-order keeps its g_idx) and from RTN
+    ([{"method": "autoround", "scheme": "W4A16", "group_size": 16, "actorder": "group", "steps": 12, "lr": 0.05}],
+     True, 1e-5),
+    ([{"method": "autoround", "scheme": "W4A16_ASYM", "group_size": 32, "init": "rtn", "steps": 12}], True, 1e-5),
+    ([{"method": "autoround", "scheme": "W8A8", "steps": 8}], True, 0.1),
 ])
 def test_export_reloads_like_fake_quant(tiny_llama, calib_text, tmp_path, stages, calibrated, rel_tol):
     out = tmp_path / "out"
