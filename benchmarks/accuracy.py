@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 RECIPE = "recipes/smollm2-w4a16-gptq.yaml"
 W4 = "scheme: W4A16, group_size: 64"
 AWQ = "{method: awq, grid: 20, duo_scaling: true, clip: true, max_tokens: 2048}"
+ROT = "{method: rotate}"
 
 
 def _rows(steps: int) -> dict[str, list[str]]:
@@ -44,6 +45,15 @@ def _rows(steps: int) -> dict[str, list[str]]:
         "autoround-gptq": [f"{{{ar}, init: gptq}}"],
         "autoround-gptq-mse": [f"{{{ar}, init: gptq, observer: mse}}"],
         "awq-autoround-gptq": [AWQ, f"{{{ar}, init: gptq}}"],
+        "rotate-rtn": [ROT, f"{{method: rtn, {W4}}}"],
+        "rotate-gptq": [ROT, f"{{method: gptq, {W4}, actorder: static}}"],
+        "rotate-gptq-mse": [ROT, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
+        "rotate-awq-gptq-mse": [ROT, AWQ, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
+        # W8A8 (int8 channels, dynamic per-token int8 activations)
+        "w8a8-rtn": ["{method: rtn, scheme: W8A8}"],
+        "w8a8-gptq": ["{method: gptq, scheme: W8A8}"],
+        "w8a8-smoothquant-gptq": ["{method: smoothquant, alpha: 0.5}", "{method: gptq, scheme: W8A8}"],
+        "w8a8-rotate-gptq": [ROT, "{method: gptq, scheme: W8A8}"],
     }
 
 
@@ -57,7 +67,7 @@ def convert_row(name: str, stages: list[str], out: Path, samples: int, batch: in
     man = json.loads((out / "manifest.json").read_text())
     layers = man.get("layers", {})
     kept = [v.get("autoround_kept_start") for v in layers.values() if "autoround_kept_start" in v]
-    return {"row": name, "toolkit": "quantkit", "stages": stages, "wall_s": round(wall, 1),
+    return {"row": name, "toolkit": "quantkit", "scheme": "W8A8" if "W8A8" in stages[-1] else "W4A16 g64", "stages": stages, "wall_s": round(wall, 1),
             "convert_s": man["conversion"]["wall_time_s"], "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),
             "calibration_fingerprint": man["calibration"]["fingerprint"][:16],
             **({"autoround_modules_kept_start": f"{sum(kept)} of {len(kept)}"} if kept else {})}
@@ -88,7 +98,8 @@ def main() -> None:
     model_dir = ensure_demo_model("smollm2-135m", quiet=True)
     calib = build_calibration_set(load_recipe(REPO / RECIPE, [f"calibration.num_samples={args.samples}"]).calibration,
                                   AutoTokenizer.from_pretrained(model_dir))
-    result = {"model": "SmolLM2-135M", "scheme": "W4A16 int4 g64 symmetric", "samples": args.samples, "seq_len": 512,
+    result = {"model": "SmolLM2-135M", "schemes": "W4A16 int4 g64 symmetric; W8A8 int8 channels + dynamic per-token int8 "
+              "activations (rows w8a8-*)", "samples": args.samples, "seq_len": 512,
               "autoround_steps": args.steps, "batch": args.batch, "hardware": hardware(),
               "calibration_fingerprint": calib.fingerprint[:16], "float_perplexity": perplexity(model_dir), "rows": []}
 
@@ -108,7 +119,7 @@ def main() -> None:
             from anchor_llmcompressor import run_llmcompressor
 
             out = Path(td) / "llmcompressor"
-            add({"row": "llmcompressor-gptq", "toolkit": "llm-compressor", "dtype": "float32",
+            add({"row": "llmcompressor-gptq", "toolkit": "llm-compressor", "scheme": "W4A16 g64", "dtype": "float32",
                  **run_llmcompressor(args.llmcompressor, model_dir, ids_file, out, "float32")}, out)
         if args.autoround:
             from anchor_autoround import run_autoround
@@ -116,7 +127,7 @@ def main() -> None:
             out = Path(td) / "intel-autoround"
             ran = run_autoround(args.autoround, model_dir, calib.input_ids, out, iters=args.steps,
                                 nsamples=args.samples, seqlen=512, batch_size=args.batch)
-            add({"row": "intel-autoround", "toolkit": "auto-round", **ran}, out)
+            add({"row": "intel-autoround", "toolkit": "auto-round", "scheme": "W4A16 g64", **ran}, out)
     result["rows"].sort(key=lambda r: r["perplexity"])
     text = json.dumps(result, indent=2)
     if args.out:

@@ -29,7 +29,8 @@ from quantkit.hardware import compute_dtype
 from quantkit.io import model_fingerprint, replace_dir
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint
-from quantkit.plan import Plan
+from quantkit.model import ModelError
+from quantkit.plan import ConvertError, Plan
 from quantkit.recipe import Recipe
 
 log = logging.getLogger("quantkit")
@@ -82,7 +83,13 @@ def prepare(recipe: Recipe, placed: tuple[torch.device, str], quiet: bool = Fals
     model = build_skeleton(model_dir, recipe.model.dtype, recipe.model.trust_remote_code)
     arch = arch_for(model.config)
     plan = make_plan(model, arch, recipe)
-    return Inputs(recipe, model_dir, tok, model, arch, plan, LazyCheckpoint(model_dir), placed, compute)
+    source = LazyCheckpoint(model_dir)
+    if plan.rotation is not None:  # the rotated model, read tensor by tensor (quantkit/model/rotated.py)
+        try:
+            source = plan.rotation.method.view(source, model.config, arch, plan.rotation.config)
+        except ModelError as exc:
+            raise ConvertError(f"recipe {recipe.name!r} stages[{plan.rotation.index}]: {exc}") from None
+    return Inputs(recipe, model_dir, tok, model, arch, plan, source, placed, compute)
 
 
 def execute(inp: Inputs, opts: RunOptions) -> Path:
@@ -147,6 +154,7 @@ def _convert_root(inp: Inputs, calib, partial: Path, opts: RunOptions) -> Path:
     conversion = {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
                   "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
                   "processes": opts.ranks.world, "preflight": opts.preflight,
+                  "rotation": getattr(inp.source, "summary", None),
                   "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     facts = RunFacts(recipe, fingerprint["recipe"], base, calib.summary() if calib else None, conversion,
                      finetuned.summary if finetuned else None, opts.started)

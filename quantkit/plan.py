@@ -9,8 +9,8 @@ last place that reads the recipe's stages: the plan is what the pipeline execute
 - for the whole model: the calibration, mixture-of-experts and KV-cache policy, the compressed-tensors
   config groups the export declares and the Linears that stay in float.
 
-A stage claims a module when its targets match and its ignore does not; the first stage that is not a
-transform and claims a module owns it. A fine-tune stage trains what the stages before it produced; a
+A stage claims a module when its targets match and its ignore does not; the first quantizer or fine-tune
+stage that claims a module owns it (transforms and rotations rewrite float weights and own none). A fine-tune stage trains what the stages before it produced; a
 module only it claims starts from its registry entry's `starts_from` quantizer, which the plan records as
 the target's `quantizer`, so nothing downstream guesses.
 """
@@ -51,6 +51,12 @@ class PlanStage:
     @property
     def role(self) -> str:
         return self.method.role
+
+    @property
+    def owns_modules(self) -> bool:
+        """A quantizer or fine-tune stage: it claims modules through targets / ignore (a transform or rotation
+        rewrites float weights and owns none)."""
+        return self.role in ("quantizer", "finetune")
 
     @cached_property
     def ct_scheme(self):
@@ -138,6 +144,11 @@ class Plan:
         return {t.name: t for layer in self.layers for t in layer.targets}
 
     @property
+    def rotation(self) -> PlanStage | None:
+        """The stage that rotates the whole model before the others (the recipe keeps it first)."""
+        return next((s for s in self.stages if s.role == "rotation"), None)
+
+    @property
     def finetune(self) -> PlanStage | None:
         """The stage that trains the PTQ result after the layer pipeline (the recipe keeps it last)."""
         return next((s for s in self.stages if s.role == "finetune"), None)
@@ -175,7 +186,7 @@ def plan_stages(recipe: Recipe) -> list[PlanStage]:
     out = []
     for si, st in enumerate(recipe.stages):
         try:
-            scheme = None if st.is_transform else stage_scheme(recipe, si)
+            scheme = None if st.is_transform else stage_scheme(recipe, si)  # transforms and rotations: none
         except ValueError as exc:  # the recipe asks for what this scheme's fixed format cannot take
             raise ConvertError(f"recipe {recipe.name!r} stages[{si}]: {exc}") from None
         out.append(PlanStage(si, st, method_of(st), scheme))
@@ -192,7 +203,7 @@ def make_plan(model: nn.Module, arch: ArchSpec, recipe: Recipe) -> Plan:
     quantized = {t.name for lp in plans for t in lp.targets}
     kept = sorted(all_linear - quantized)
     for ps in stages:
-        for name in kept if ps.role != "transform" else ():
+        for name in kept if ps.owns_modules else ():
             if name.endswith("lm_head") and _claims(ps.config, name, "Linear"):
                 raise ConvertError(f"stages[{ps.index}]: quantizing lm_head is not supported; keep 'lm_head' in "
                                    f"stages[{ps.index}].ignore")
@@ -245,7 +256,7 @@ def _owner(model: nn.Module, recipe_name: str, stages: list[PlanStage], full: st
 
     mod = model.get_submodule(full)
     for ps in stages:
-        if ps.role == "transform" or not _claims(ps.config, full, type(mod).__name__):
+        if not ps.owns_modules or not _claims(ps.config, full, type(mod).__name__):
             continue
         try:
             check_divisible(ps.scheme.weights, mod.in_features, full)
@@ -266,7 +277,7 @@ def _refuse_on_moe(recipe_name: str, stages: list[PlanStage], router: str) -> No
     kernel), so a quantized one could not be loaded. `Linear` and regexes never reach it: it is no sequential
     group's member. So is a stage whose method cannot run on mixture-of-experts models."""
     for ps in stages:
-        if ps.role != "transform" and router in ps.config.targets:
+        if ps.owns_modules and router in ps.config.targets:
             raise ConvertError(f"recipe {recipe_name!r} stages[{ps.index}].targets names the router {router}: "
                                "routers of mixture-of-experts layers stay in full precision (vLLM has no quantized "
                                "router); remove it from the targets")

@@ -83,6 +83,9 @@ def small_recipe(recipe, model_dir: Path, layouts: list[dict[str, int]], layers_
     the exact modules of the small model's layers that carry it."""
     stages = []
     for si, st in enumerate(recipe.stages):
+        if method_of(st).role == "rotation":  # it changes the format: untied embeddings
+            stages.append(st.model_dump(mode="json"))
+            continue
         if method_of(st).role != "quantizer":  # the small model checks formats: a fine-tune changes none
             continue
         names = [f"{layers_path}.{j}.{local}" for j, lay in enumerate(layouts) for local, s in lay.items() if s == si]

@@ -321,6 +321,19 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _rotation_first(self) -> "Recipe":
+        rot = [i for i, st in enumerate(self.stages) if method_of(st).role == "rotation"]
+        if rot and rot != [0]:
+            raise ValueError(f"stages[{rot[-1]}].method: {self.stages[rot[-1]].method!r} rewrites the whole model "
+                             "before anything else: make it stages[0], and keep one")
+        tuned = [i for i, st in enumerate(self.stages) if method_of(st).role == "finetune"]
+        if rot and tuned:
+            raise ValueError(f"stages[{tuned[0]}].method: {self.stages[tuned[0]].method!r} trains the model as "
+                             f"transformers loads it, unrotated, so it cannot follow stages[0] "
+                             f"({self.stages[0].method!r}); remove one of them")
+        return self
+
+    @model_validator(mode="after")
     def _last_stages_last(self) -> "Recipe":
         last = [i for i, st in enumerate(self.stages) if method_of(st).must_come_last]
         if last and last[-1] != len(self.stages) - 1:

@@ -13,6 +13,8 @@ and this one.
   autoround learns the rounding of every Linear it owns against the float layer's output.
 - A transform rescales a smoothing mapping without changing the float output: `choose_scales(...)`, and
   optionally `refine(...)` on the folded weights.
+- A rotation rewrites the whole model before any other stage, without changing its float output: `view(source
+  checkpoint, config, arch, stage)` gives the rotated model as a checkpoint (quantkit/model/rotated.py).
 - A fine-tune stage trains what the stages before it produced; its loop is quantkit/quantize/finetune.py.
 """
 
@@ -21,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal
 
-from quantkit.algorithms import autoround, awq, gptq, qat, rtn, smoothquant
+from quantkit.algorithms import autoround, awq, gptq, qat, rotate, rtn, smoothquant
+from quantkit.model.rotated import RotatedCheckpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +58,13 @@ class TransformMethod(Method):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RotationMethod(Method):
+    role: ClassVar[str] = "rotation"
+    view: Callable  # (source LazyCheckpoint, config, ArchSpec, stage) -> the rotated model's checkpoint
+    needs_quantized_activations: bool = False  # useful before any scheme
+
+
+@dataclass(frozen=True, kw_only=True)
 class FinetuneMethod(Method):
     role: ClassVar[str] = "finetune"
     starts_from: str  # the quantizer that gives a module only this stage claims its starting point
@@ -63,12 +73,13 @@ class FinetuneMethod(Method):
 METHODS: dict[str, Method] = {}  # method name -> entry, in registration order
 QUANTIZERS: dict[str, QuantizerMethod] = {}
 TRANSFORMS: dict[str, TransformMethod] = {}
+ROTATIONS: dict[str, RotationMethod] = {}
 FINETUNERS: dict[str, FinetuneMethod] = {}
 STAGE_CLASSES: dict[str, type] = {}  # method name -> recipe stage config, in registration order
 
 
 def register(method: Method) -> None:
-    table = {"quantizer": QUANTIZERS, "transform": TRANSFORMS, "finetune": FINETUNERS}[method.role]
+    table = {"quantizer": QUANTIZERS, "transform": TRANSFORMS, "rotation": ROTATIONS, "finetune": FINETUNERS}[method.role]
     if method.name in METHODS:
         raise ValueError(f"method {method.name!r} registered twice")
     table[method.name] = METHODS[method.name] = method
@@ -85,6 +96,8 @@ register(QuantizerMethod(name="gptq", stage=gptq.GPTQStage, quantize=gptq.quanti
 register(QuantizerMethod(name="autoround", stage=autoround.AutoRoundStage, quantize=autoround.quantize, needs="hessian",
                          refine_layer=autoround.refine_layer,
                          moe_refusal="autoround does not refine mixture-of-experts layers yet; use gptq"))
+register(RotationMethod(name="rotate", stage=rotate.RotateStage, view=RotatedCheckpoint,
+                        moe_refusal="rotate does not rotate mixture-of-experts layers yet"))
 register(TransformMethod(name="awq", stage=awq.AWQStage, choose_scales=awq.choose_scales, refine=awq.refine))
 register(TransformMethod(name="smoothquant", stage=smoothquant.SmoothQuantStage,
                          choose_scales=smoothquant.choose_scales, needs_quantized_activations=True))

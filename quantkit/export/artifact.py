@@ -71,7 +71,8 @@ def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, pr
     write_shards(export_dir, kept + produced_refs, facts.recipe.export.max_shard_size_mb * 1024 * 1024)
     kv_spec = plan.kv_cache.spec if plan.kv_cache is not None else None
     write_config(model_dir / "config.json", export_dir,
-                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(kv_spec)))
+                 quantization_config(plan.config_groups(), plan.unquantized, kv_cache_args(kv_spec)),
+                 source.config_overrides)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, export_dir / name)

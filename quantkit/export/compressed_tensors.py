@@ -48,9 +48,10 @@ def quantization_config(schemes: dict[str, QuantizationScheme], ignore: list[str
     return ModelCompressor(quantization_config=qc)
 
 
-def write_config(src_config: Path, out_dir: Path, compressor: ModelCompressor) -> None:
+def write_config(src_config: Path, out_dir: Path, compressor: ModelCompressor, overrides: dict | None = None) -> None:
+    """`overrides`: config fields the conversion changed (a rotation unties the embeddings)."""
     from quantkit.model.sources import normalize_config
 
-    cfg = normalize_config(json.loads(src_config.read_text()), drop_quantization=True)
+    cfg = {**normalize_config(json.loads(src_config.read_text()), drop_quantization=True), **(overrides or {})}
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     compressor.update_config(str(out_dir))

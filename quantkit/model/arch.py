@@ -35,6 +35,16 @@ class ArchSpec:
         ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ("mlp.up_proj", ("mlp.down_proj",)),
     )
+    # offline rotation (quantkit/algorithms/rotate.py): each norm on the residual stream and the Linears it
+    # feeds, the Linears that add into the residual, the attention value path (v, o) and the final norm
+    residual_readers: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    )
+    residual_writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
+    value_path: tuple[str, str] = ("self_attn.v_proj", "self_attn.o_proj")
+    final_norm: str = "model.norm"
+    rotation_refusal: str | None = None  # why the residual stream cannot be rotated offline (None: it can)
     extra: dict = field(default_factory=dict)
     # mixture of experts: where the sparse block is and how it routes (quantkit/model/moe.py); its layers
     # take their attention groups from `sequential` and one (gate, up) and one (down) group per expert
@@ -81,7 +91,10 @@ register_arch(ArchSpec("qwen3", ("qwen3",)))  # q_norm / k_norm sit inside atten
 register_arch(ArchSpec("gemma", ("gemma",), extra={"norm_offset": 1.0}))
 # Gemma 2/3 normalise the attention output (post_attention_layernorm) before the residual add; the MLP
 # reads pre_feedforward_layernorm, so that is the norm a smoothing scale folds into.
-register_arch(ArchSpec("gemma2", ("gemma2", "gemma3_text"), extra={"norm_offset": 1.0}, smoothing=(
+register_arch(ArchSpec("gemma2", ("gemma2", "gemma3_text"), extra={"norm_offset": 1.0}, rotation_refusal=(
+    "Gemma 2/3 normalise the attention and MLP outputs (post_attention_layernorm, post_feedforward_layernorm) before "
+    "adding them to the residual, so a rotation of the residual stream cannot be folded into o_proj / down_proj"),
+    smoothing=(
     ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ("self_attn.v_proj", ("self_attn.o_proj",)),
     ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),

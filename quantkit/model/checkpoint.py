@@ -34,6 +34,9 @@ class LazyCheckpoint:
                     self._where[k] = f
                     self._layout[k] = (sl.get_dtype(), tuple(sl.get_shape()))
 
+    # config.json fields a model read through this checkpoint differs in (quantkit/model/rotated.py)
+    config_overrides: dict = {}
+
     def keys(self) -> list[str]:
         return list(self._where)
 
