@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_recipe
-from quantkit.algorithms.registry import FINETUNERS, METHODS, QUANTIZERS, TRANSFORMS, method_of
+from quantkit.algorithms.registry import FINETUNERS, METHODS, QUANTIZERS, ROTATIONS, TRANSFORMS, method_of
 from quantkit.model.arch import arch_for
 from quantkit.model.checkpoint import build_skeleton
 from quantkit.plan import ConvertError, make_plan
@@ -23,9 +23,9 @@ def _plan(model_dir, calib, stages, **extra):
 
 
 def test_every_registered_method_has_one_role_and_its_stage_config():
-    assert set(METHODS) == set(QUANTIZERS) | set(TRANSFORMS) | set(FINETUNERS)
+    assert set(METHODS) == set(QUANTIZERS) | set(TRANSFORMS) | set(ROTATIONS) | set(FINETUNERS)
     for name, entry in METHODS.items():
-        assert entry.role in ("quantizer", "transform", "finetune")
+        assert entry.role in ("quantizer", "transform", "rotation", "finetune")
         assert entry.stage.model_fields["method"].annotation.__args__ == (name,)  # Literal["<name>"]
     for entry in FINETUNERS.values():  # a module only a fine-tune stage claims starts from a registered quantizer
         assert entry.starts_from in QUANTIZERS

@@ -48,7 +48,7 @@ _DELETE = object()
 @pytest.mark.parametrize("data, expected", [
     (_with(stages__0__scheme="W4A61"),
      "x.yaml: stages[0].scheme: 'W4A61' is not a known scheme (known: W8A8, W4A16"),
-    (_with(stages__0__method="awq2"), "stages[0]: 'awq2' is not a known method (known: rtn, gptq, autoround, awq, smoothquant"),
+    (_with(stages__0__method="awq2"), "stages[0]: 'awq2' is not a known method (known: rtn, gptq, autoround, rotate, awq, smoothquant"),
     (_with(stages__0__group_sz=64), "stages[0].group_sz: unknown key 'group_sz' (allowed: "),
     (_with(stages__0__group_size=-5), "stages[0].group_size: -5 is not a valid group size"),
     (_with(stages__0__group_size=63), "63 is not a valid group size (use a positive even number"),
