@@ -154,7 +154,7 @@ def _convert_root(inp: Inputs, calib, partial: Path, opts: RunOptions) -> Path:
     conversion = {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
                   "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
                   "processes": opts.ranks.world, "preflight": opts.preflight,
-                  "rotation": getattr(inp.source, "summary", None),
+                  "rotation": inp.source.summary,
                   "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     facts = RunFacts(recipe, fingerprint["recipe"], base, calib.summary() if calib else None, conversion,
                      finetuned.summary if finetuned else None, opts.started)

@@ -10,9 +10,10 @@ last place that reads the recipe's stages: the plan is what the pipeline execute
   config groups the export declares and the Linears that stay in float.
 
 A stage claims a module when its targets match and its ignore does not; the first quantizer or fine-tune
-stage that claims a module owns it (transforms and rotations rewrite float weights and own none). A fine-tune stage trains what the stages before it produced; a
-module only it claims starts from its registry entry's `starts_from` quantizer, which the plan records as
-the target's `quantizer`, so nothing downstream guesses.
+stage that claims a module owns it (transforms and rotations rewrite float weights and own none). A
+fine-tune stage trains what the stages before it produced; a module only it claims starts from its registry
+entry's `starts_from` quantizer, which the plan records as the target's `quantizer`, so nothing downstream
+guesses.
 """
 
 from __future__ import annotations

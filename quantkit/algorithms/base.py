@@ -89,11 +89,9 @@ class ScaleSearchOptions(Strict):
         return ScaleSearch.grid(self.mse_min_ratio, self.mse_points, column_weight)
 
 
-class TransformStage(Targeted):
-    """A transform rescales weights and activations without changing the float model's output; the
-    quantizer stages after it then quantize the transformed layers. It applies to every smoothing
-    mapping of the architecture whose target Linears all match `targets` (and not `ignore`) and are
-    quantized by a later stage; it optimizes for the scheme of the stage that quantizes them."""
+class RewritesWeights(Strict):
+    """A stage that rewrites float weights without changing the float model's output and produces no scheme
+    (and no config group) of its own; quantizer stages must follow it (the recipe checks)."""
 
     @property
     def needs_calibration(self) -> bool:
@@ -104,5 +102,12 @@ class TransformStage(Targeted):
         return True
 
     @property
-    def scheme(self) -> None:  # a transform produces no scheme (and no config group) of its own
+    def scheme(self) -> None:
         return None
+
+
+class TransformStage(Targeted, RewritesWeights):
+    """A transform rescales weights and activations without changing the float model's output; the
+    quantizer stages after it then quantize the transformed layers. It applies to every smoothing
+    mapping of the architecture whose target Linears all match `targets` (and not `ignore`) and are
+    quantized by a later stage; it optimizes for the scheme of the stage that quantizes them."""

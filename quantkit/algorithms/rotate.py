@@ -26,10 +26,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from quantkit.strict import Strict
+from quantkit.algorithms.base import RewritesWeights
 
 
-class RotateStage(Strict):
+class RotateStage(RewritesWeights):
     """`method: rotate`: rotate the whole model before any other stage (it must be stages[0])."""
 
     method: Literal["rotate"]
@@ -40,16 +40,8 @@ class RotateStage(Strict):
     seed: int = Field(0, ge=0, description="seed of the random signs")
 
     @property
-    def needs_calibration(self) -> bool:
+    def needs_calibration(self) -> bool:  # data-free: the rotation depends on the shapes and the seed alone
         return False
-
-    @property
-    def is_transform(self) -> bool:
-        return True
-
-    @property
-    def scheme(self) -> None:
-        return None
 
     def problems(self) -> list[tuple[str, str]]:
         if not self.residual and not self.attention:
@@ -57,10 +49,9 @@ class RotateStage(Strict):
         return []
 
 
-def fold_norm_into_readers(weight: torch.Tensor, norm_factor: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
-    """A Linear reading the normalised residual: W [out, d] -> W diag(g) Q (Q None: the fold alone)."""
-    w = weight.float() * norm_factor.float()[None, :]
-    return w if q is None else w @ q
+def fold_norm_into_readers(weight: torch.Tensor, norm_factor: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A Linear reading the normalised residual: W [out, d] -> W diag(g) Q."""
+    return (weight.float() * norm_factor.float()[None, :]) @ q
 
 
 def rotate_writer(weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

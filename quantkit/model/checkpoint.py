@@ -34,8 +34,10 @@ class LazyCheckpoint:
                     self._where[k] = f
                     self._layout[k] = (sl.get_dtype(), tuple(sl.get_shape()))
 
-    # config.json fields a model read through this checkpoint differs in (quantkit/model/rotated.py)
+    # what a view of the stored model changed (quantkit/model/rotated.py): the config.json fields the model read
+    # through it differs in, and a summary for the manifest (None: the stored model as it is)
     config_overrides: dict = {}
+    summary: dict | None = None
 
     def keys(self) -> list[str]:
         return list(self._where)

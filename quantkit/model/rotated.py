@@ -20,30 +20,27 @@ from quantkit.model import ModelError
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint
 
-_DTYPE_CODES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-
-
 class RotatedCheckpoint(LazyCheckpoint):
     """The tensors of `source` as the rotated model stores them; see the module docstring."""
 
     def __init__(self, source: LazyCheckpoint, config, arch: ArchSpec, stage):
         self.folder = source.folder
         self._where, self._layout = dict(source._where), dict(source._layout)  # the same files and headers
-        self.arch, self.stage = arch, stage
-        refuse_rotation(arch, config, stage)
+        self.arch = arch
+        refuse_rotation(arch, stage)
         self.offset = float(arch.extra.get("norm_offset", 0.0))
-        self.hidden = config.hidden_size
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        hidden = config.hidden_size
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q = self.r = None
-        self.summary: dict = {"residual": stage.residual, "attention": stage.attention, "seed": stage.seed}
+        self.summary = {"residual": stage.residual, "attention": stage.attention, "seed": stage.seed}
         if stage.residual:
-            q, kind = rotation(self.hidden, stage.seed, stage.randomize)
+            q, kind = rotation(hidden, stage.seed, stage.randomize)
             self.q = q.float()
-            self.summary["residual_rotation"] = f"{kind} {self.hidden}"
+            self.summary["residual_rotation"] = f"{kind} {hidden}"
         if stage.attention:
-            r, kind = rotation(self.head_dim, stage.seed + 1, stage.randomize)
+            r, kind = rotation(head_dim, stage.seed + 1, stage.randomize)
             self.r = r.float()
-            self.summary["attention_rotation"] = f"{kind} {self.head_dim} per head"
+            self.summary["attention_rotation"] = f"{kind} {head_dim} per head"
         self.lm_head = "lm_head.weight"
         self.untied = stage.residual and self.lm_head not in self._where
         if self.untied:  # tied: lm_head reads the embedding's storage, rotated its own way here
@@ -117,7 +114,7 @@ class RotatedCheckpoint(LazyCheckpoint):
         return w.to(t.dtype)
 
 
-def refuse_rotation(arch: ArchSpec, config, stage) -> None:
+def refuse_rotation(arch: ArchSpec, stage) -> None:
     """A rotation this architecture cannot fold into its weights is refused, with the reason."""
     if arch.moe is not None:
         raise ModelError(f"rotate: {arch.name} is a mixture-of-experts family; rotating its experts and router is "
