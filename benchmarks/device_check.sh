@@ -21,7 +21,9 @@
 #
 # The device path and the simulate path differ only in the variables set at the bottom (the python, the
 # runs, the calibration size, the device, the budget); everything else is the one `check` function.
-# Overrides: DEVICE_BUDGET_S (seconds, from the start of `check`), DEVICE_8B_LAYERS (default 8),
+# Overrides: DEVICE_BUDGET_S (seconds, from the start of `check`), DEVICE_8B_LAYERS (default 8), DEVICE_RUNS
+# (the comma-separated scale.py runs, in order; the GPU default ends with issue 33's rotate+GPTQ+MSE and
+# autoround on the 8B shape, which run only when the budget is left for them),
 # WORK (where checkpoints go; default a temporary folder, removed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -121,12 +123,13 @@ case "${1:-}" in
     simulate_venv
     PY=$SIMVENV/bin/python
     fetch_wheels "$PY"
-    RUNS="toy-2:gptq,toy-2:sq-gptq,toy-1:gptq" SAMPLES=8 SEQ=256 DEVICE=cpu BUDGET=${DEVICE_BUDGET_S:-170}
+    RUNS=${DEVICE_RUNS:-toy-2:gptq,toy-2:sq-gptq,toy-1:gptq} SAMPLES=8 SEQ=256 DEVICE=cpu BUDGET=${DEVICE_BUDGET_S:-170}
     check --all-must-finish ;;
   "")
     L=${DEVICE_8B_LAYERS:-8}
     PY=python3
-    RUNS="llama8b-$L:gptq,llama8b-$L:sq-gptq,llama70b-1:gptq" SAMPLES=128 SEQ=2048 DEVICE=cuda BUDGET=${DEVICE_BUDGET_S:-540}
+    RUNS=${DEVICE_RUNS:-llama8b-$L:gptq,llama8b-$L:sq-gptq,llama70b-1:gptq,llama8b-$L:rot-gptq-mse,llama8b-$L:autoround}
+    SAMPLES=128 SEQ=2048 DEVICE=cuda BUDGET=${DEVICE_BUDGET_S:-540}
     check ;;
   *)
     echo "usage: bash benchmarks/device_check.sh [--fetch | --simulate]" >&2; exit 2 ;;

@@ -57,8 +57,12 @@ METHODS = {
     "sq-gptq": [{"method": "smoothquant", "alpha": 0.5},
                 {"method": "gptq", "scheme": "W8A8", "actorder": "static"}],
     "rtn": [{"method": "rtn", "scheme": "W8A8"}],
+    # issue 33's best W4A16 combination and the learned rounding, at the same scheme as "gptq"
+    "rot-gptq-mse": [{"method": "rotate"},
+                     {"method": "gptq", "scheme": "W4A16", "group_size": 128, "actorder": "static", "observer": "mse"}],
+    "autoround": [{"method": "autoround", "scheme": "W4A16", "group_size": 128, "actorder": "static"}],
 }
-CALIBRATED = ("gptq", "smoothquant", "awq")  # stage methods that read calibration data
+CALIBRATED = ("gptq", "smoothquant", "awq", "autoround")  # stage methods that read calibration data
 CORPORA = ("prose", "chat", "code", "json", "numbers")
 DEFAULT_RUNS = "llama8b-2:gptq,qwen7b-2:gptq,llama8b-2:rtn,llama8b-32:rtn,llama70b-1:gptq"
 
@@ -154,7 +158,7 @@ def bound_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: f
     layer_params = h * (h + 2 * kv) + h * h + 3 * h * i
     size = 2 if compute == "bfloat16" else 4
     calibrated = any(st["method"] in CALIBRATED for st in METHODS[method])
-    hessian = max(h, i) ** 2 * 4 if any(st["method"] == "gptq" for st in METHODS[method]) else 0
+    hessian = max(h, i) ** 2 * 4 if any(st["method"] in ("gptq", "autoround") for st in METHODS[method]) else 0
     acts = 2 * samples * seq_len * h * size if calibrated else 0
     return baseline_mb + (layer_params * size + hessian + acts) / 1e6
 
