@@ -7,11 +7,12 @@
 #                                                image, into .device-wheels/ (ignored by git, ~15 MB; binary
 #                                                ones for CPython 3.10-3.13). Carry that folder to the device.
 #   bash benchmarks/device_check.sh              there: install the wheels into .device-deps/ (no index),
-#                                                then, under a 9-minute budget, three conversions on cuda:
-#                                                the Llama-3.1-8B shape (8 layers) GPTQ W4A16 g128, the same
-#                                                checkpoint W8A8 SmoothQuant+GPTQ, and a 1-layer slice of the
-#                                                Llama-3.1-70B shape GPTQ W4A16 g128, all on 128 x 2048 tokens;
-#                                                one JSON line each on stdout, then a summary line.
+#                                                then, under a 9-minute budget, conversions on cuda: the
+#                                                Llama-3.1-8B shape (8 layers) GPTQ W4A16 g128, a 1-layer
+#                                                slice of the Llama-3.1-70B shape GPTQ W4A16 g128, the 8B
+#                                                checkpoint rotated + GPTQ (MSE scales), W8A8 SmoothQuant+GPTQ
+#                                                and autoround, each while the budget lasts, all on 128 x 2048
+#                                                tokens; one JSON line each on stdout, then a summary line.
 #   bash benchmarks/device_check.sh --simulate   here, on the CPU: a venv like the device image in
 #                                                .device-sim-venv/ (built once: torch==2.13.0 from the local
 #                                                CPU wheel, transformers 5.17, safetensors, scipy, accelerate,
@@ -128,7 +129,7 @@ case "${1:-}" in
   "")
     L=${DEVICE_8B_LAYERS:-8}
     PY=python3
-    RUNS=${DEVICE_RUNS:-llama8b-$L:gptq,llama8b-$L:sq-gptq,llama70b-1:gptq,llama8b-$L:rot-gptq-mse,llama8b-$L:autoround}
+    RUNS=${DEVICE_RUNS:-llama8b-$L:gptq,llama70b-1:gptq,llama8b-$L:rot-gptq-mse,llama8b-$L:sq-gptq,llama8b-$L:autoround}
     SAMPLES=128 SEQ=2048 DEVICE=cuda BUDGET=${DEVICE_BUDGET_S:-540}
     check ;;
   *)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the built-in demo, on the CPU: fetch the baseline, SmolLM2-135M-Instruct dequantized from
-# Q4_1 GGUF (bf16) -> convert (W8A8 RTN, W4A16 GPTQ) -> eval against it in vLLM -> gate -> publish -> show it,
+# Q4_1 GGUF (bf16) -> convert (W8A8 RTN, W4A16 rotation + GPTQ) -> eval against it in vLLM -> gate -> publish -> show it,
 # with its lineage (every step is an MLflow run in the tracking store: `quantkit ui` shows them; docs/tracking.md).
 # The baseline is measured once and reused by the second eval (quantkit.evaluate.baseline_cache).
 # Each artifact this machine can serve is evaluated, gated and offered to publish, which re-decides from the
@@ -22,16 +22,16 @@ step "demo model"
 quantkit models fetch smollm2-135m
 step "convert"
 quantkit convert recipes/smollm2-w8a8-rtn.yaml --overwrite
-quantkit convert recipes/smollm2-w4a16-gptq.yaml --overwrite
+quantkit convert recipes/smollm2-w4a16-rotate-gptq.yaml --overwrite
 quantkit inspect runs/smollm2-w8a8-rtn
-quantkit inspect runs/smollm2-w4a16-gptq
+quantkit inspect runs/smollm2-w4a16-rotate-gptq
 
 failed=0
 published=0
 decisions=()
 versions=()   # "NAME VERSION" of each published artifact
 reports=()    # the reports the eval wrote, for `quantkit compare`
-for run in smollm2-w8a8-rtn smollm2-w4a16-gptq; do
+for run in smollm2-w8a8-rtn smollm2-w4a16-rotate-gptq; do
   step "runs/$run"
   if ! quantkit capability "runs/$run"; then
     decisions+=("runs/$run: not served on this machine (the reason is above); its eval is skipped")
