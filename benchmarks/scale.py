@@ -148,10 +148,14 @@ def convert(model: Path, out: Path, method: str, samples: int, seq_len: int, dev
             "peak_gpu_mb": round(man["conversion"]["peak_gpu_bytes"] / 1e6) if man["conversion"].get("peak_gpu_bytes") else None,
             "device": man["conversion"]["device"], "compute_dtype": man["conversion"]["compute_dtype"],
             "artifact_mb": round(man["size_bytes"] / 1e6), "disk_needed": need.group(1) if need else None,
-            "calibration_tokens": (man["calibration"] or {}).get("num_tokens")}
+            "calibration_tokens": (man["calibration"] or {}).get("num_tokens"),
+            "phases_s": man["conversion"].get("phases_s")}
 
 
-def bound_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: float, compute: str) -> float:
+def bound_parts_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: float, compute: str) -> dict:
+    """What the conversion's peak RSS should stay within, part by part (MB): the imports, the largest layer's
+    weights in the compute dtype, its largest GPTQ Hessian (fp32) and the calibration activations (a layer's
+    input and output for the whole batch, in the compute dtype)."""
     s = SHAPES[shape]
     h, i = s["hidden_size"], s["intermediate_size"]
     kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
@@ -160,7 +164,12 @@ def bound_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: f
     calibrated = any(st["method"] in CALIBRATED for st in METHODS[method])
     hessian = max(h, i) ** 2 * 4 if any(st["method"] in ("gptq", "autoround") for st in METHODS[method]) else 0
     acts = 2 * samples * seq_len * h * size if calibrated else 0
-    return baseline_mb + (layer_params * size + hessian + acts) / 1e6
+    return {"imports": round(baseline_mb), "layer_weights": round(layer_params * size / 1e6),
+            "hessian": round(hessian / 1e6), "activations": round(acts / 1e6)}
+
+
+def bound_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: float, compute: str) -> float:
+    return sum(bound_parts_mb(shape, method, samples, seq_len, baseline_mb, compute).values())
 
 
 def main() -> None:
@@ -190,7 +199,8 @@ def main() -> None:
         mean = sum(r["per_layer_s"]) / len(r["per_layer_s"])
         r.update(run=run, layers=int(layers), full_layers=full, checkpoint_write_s=round(write_s, 1),
                  mean_layer_s=round(mean, 1), extrapolated_full_model_s=round(mean * full),
-                 bound_mb=round(bound_mb(shape, method, args.samples, args.seq_len, base, r["compute_dtype"])))
+                 bound_mb=round(bound_mb(shape, method, args.samples, args.seq_len, base, r["compute_dtype"])),
+                 bound_parts_mb=bound_parts_mb(shape, method, args.samples, args.seq_len, base, r["compute_dtype"]))
         r["peak_over_bound"] = round(r["peak_rss_mb"] / r["bound_mb"], 3)
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)

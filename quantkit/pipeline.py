@@ -154,7 +154,7 @@ def _convert_root(inp: Inputs, calib, partial: Path, opts: RunOptions) -> Path:
     conversion = {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
                   "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
                   "processes": opts.ranks.world, "preflight": opts.preflight,
-                  "rotation": inp.source.summary,
+                  "rotation": inp.source.summary, "phases_s": job.timing.summary(),
                   "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     facts = RunFacts(recipe, fingerprint["recipe"], base, calib.summary() if calib else None, conversion,
                      finetuned.summary if finetuned else None, opts.started)
@@ -163,11 +163,13 @@ def _convert_root(inp: Inputs, calib, partial: Path, opts: RunOptions) -> Path:
 
 def _quantize_layers(inp: Inputs, calib, work, start: int, opts: RunOptions):
     from quantkit.quantize.layers import Job, process_layers
+    from quantkit.quantize.timing import for_device
     from quantkit.quantize.walk import Walk
 
+    timing = for_device(inp.placed[0])
     job = Job(inp.plan, getattr(torch, inp.recipe.model.dtype), compute=getattr(torch, inp.compute[0]),
-              on_weight=opts.on_weight, ranks=opts.ranks)
-    walk = Walk(inp.model, inp.arch, inp.source, inp.plan, inp.placed[0], job.compute, opts.ranks)
+              on_weight=opts.on_weight, ranks=opts.ranks, timing=timing)
+    walk = Walk(inp.model, inp.arch, inp.source, inp.plan, inp.placed[0], job.compute, opts.ranks, timing)
     process_layers(walk, job, work, start, calib.input_ids if calib else None, opts.quiet)
     return job
 

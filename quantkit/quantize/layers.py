@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -32,6 +32,7 @@ from quantkit.quantize.kvcache import KVObserver
 from quantkit.algorithms.registry import QuantizerMethod
 from quantkit.quantize.transforms import apply_transforms
 from quantkit.model.checkpoint import to_layer_device
+from quantkit.quantize.timing import PhaseTimes
 from quantkit.quantize.walk import ChunkScheduler, LayerInput, Walk, observing, pause_chunk
 from quantkit.quantize.workdir import WorkDir
 
@@ -54,6 +55,7 @@ class Job:
     on_weight: Callable[[str, torch.Tensor], None] | None = None
     # this process's place when the calibration is split across processes (quantkit/distributed.py)
     ranks: Ranks = SINGLE
+    timing: PhaseTimes = field(default_factory=PhaseTimes)  # seconds per phase (quantkit/quantize/timing.py)
 
 
 # ------------------------------------------------------------------------------------------ layer work
@@ -114,14 +116,14 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
         pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, targets[0].stage.config, job)
         for t, m, q, sec in zip(targets, mods, pieces, seconds):
             w = m.weight.detach().float()
-            stats = {"stage": si, "method": method.name, "scheme": t.scheme.name,
-                     "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(sec, 4),
-                     **q.stats}
-            if obs.hessian is not None:  # exact over every calibration token
-                stats["output_sqnr_db"] = round(output_sqnr_db(w, q.weight, obs.hessian), 3)
-            elif obs.sample is not None:
-                xs = obs.sample
-                stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ q.weight.t()), 3)
+            with job.timing.measure("diagnostics"):
+                stats = {"stage": si, "method": method.name, "scheme": t.scheme.name,
+                         "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(sec, 4), **q.stats}
+                if obs.hessian is not None:  # exact over every calibration token
+                    stats["output_sqnr_db"] = round(output_sqnr_db(w, q.weight, obs.hessian), 3)
+                elif obs.sample is not None:
+                    xs = obs.sample
+                    stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ q.weight.t()), 3)
             m.weight.data = q.weight.to(m.weight.dtype)
             if job.on_weight is not None:
                 job.on_weight(t.name, q.weight.detach().cpu().clone())
@@ -138,7 +140,8 @@ def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: J
     owner = deal([w.numel() for w in weights], r.world)
     mine = [k for k in range(len(mods)) if owner[k] == r.rank]
     t0 = time.perf_counter()
-    solved = method.quantize([weights[k] for k in mine], obs, spec, stage, job.scale_dtype) if mine else []
+    with job.timing.measure("solve"):
+        solved = method.quantize([weights[k] for k in mine], obs, spec, stage, job.scale_dtype) if mine else []
     each = (time.perf_counter() - t0) / max(len(mine), 1)
     if r.world == 1:
         return solved, [each] * len(solved)
@@ -209,8 +212,8 @@ class GroupInputHooks:
     """The observer of every sequential group's input: a pre-hook on the group's input module adds each
     chunk's input to the group's statistics, then pauses the chunk (the scheduler's turn)."""
 
-    def __init__(self, plan: LayerPlan, layout: ChunkLayout):
-        self.plan = plan
+    def __init__(self, plan: LayerPlan, layout: ChunkLayout, timing: PhaseTimes | None = None):
+        self.plan, self.timing = plan, timing or PhaseTimes()
         self.inputs = [GroupInputs(any(t.quantizer.needs == "hessian" for t in members), layout)
                        for members in plan.groups]
         self.handles: list = []
@@ -218,7 +221,8 @@ class GroupInputHooks:
     def install(self, layer: nn.Module) -> None:
         for g, hooked in enumerate(self.plan.group_inputs):
             def pre_hook(_m, args, g=g):
-                self.inputs[g].add(args[0])
+                with self.timing.measure("hessian" if self.inputs[g].hessian else "diagnostics"):
+                    self.inputs[g].add(args[0])
                 pause_chunk()
 
             self.handles.append(layer.get_submodule(hooked[len(self.plan.prefix):]).register_forward_pre_hook(pre_hook))
@@ -268,10 +272,11 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
     pieces = inp.pieces(bs)
     # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
     quantized = {t.name for t in plan.targets}
-    smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
-                if plan.smoothing else {})
+    with job.timing.measure("transforms"):
+        smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
+                    if plan.smoothing else {})
     refining = _Refinement.of(layer, plan, job, pieces)  # autoround: the float layer's outputs, before any change
-    groups = GroupInputHooks(plan, layout)
+    groups = GroupInputHooks(plan, layout, job.timing)
     experts = _ExpertCalibration(plan, job) if plan.moe is not None else None
     kv_policy = job.plan.kv_cache  # k/v scales from the keys and values these (quantized-model) chunks feed attention
     kv = KVObserver(plan.prefix, kv_policy.attention, kv_policy.strategy, layout) if kv_policy is not None else None
@@ -293,7 +298,8 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
         finally:
             scheduler.close()
     if refining is not None:
-        refining.run(results, out)
+        with job.timing.measure("refine"):
+            refining.run(results, out)
     _attach(plan, results, kv, smoothed)
     return results, out
 
@@ -402,11 +408,13 @@ class _Converting:
 
     def visit(self, index: int, layer: nn.Module, lp: LayerPlan, inp: LayerInput) -> tuple[torch.Tensor | None, str]:
         t0 = time.perf_counter()
-        results, hidden = run_layer(layer, lp, self.job, inp)
-        whole = inp.layout.gather(hidden) if inp.layout is not None else None  # rank 0: the whole batch
-        if self.job.ranks.root:
-            self.work.save_layer(index, results, whole.cpu() if whole is not None else None)
-        del whole
+        with self.job.timing.measure("layer"):
+            results, hidden = run_layer(layer, lp, self.job, inp)
+            whole = inp.layout.gather(hidden) if inp.layout is not None else None  # rank 0: the whole batch
+            if self.job.ranks.root:
+                with self.job.timing.measure("save"):
+                    self.work.save_layer(index, results, whole.cpu() if whole is not None else None)
+            del whole
         worst = min((r.stats.get("output_sqnr_db", r.stats["weight_sqnr_db"]) for r in results), default=float("nan"))
         loss = sum(r.stats.get("gptq_loss", 0.0) for r in results)
         log.info("layer %d done in %.2fs: min SQNR %.2f dB%s", index, time.perf_counter() - t0, worst,

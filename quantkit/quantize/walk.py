@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import greenlet
@@ -28,6 +28,7 @@ from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan
+from quantkit.quantize.timing import PhaseTimes
 
 log = logging.getLogger("quantkit")
 
@@ -145,6 +146,7 @@ class Walk:
     device: torch.device
     compute: torch.dtype
     ranks: Ranks = SINGLE
+    timing: PhaseTimes = field(default_factory=PhaseTimes)  # `load` and `capture` (quantkit/quantize/timing.py)
 
     def run(self, visitor: LayerVisitor, input_ids: torch.Tensor | None, start: int = 0, resume=None,
             quiet: bool = False) -> None:
@@ -156,7 +158,8 @@ class Walk:
                    initial=start, total=len(layers))
         for i in bar:
             layer, lp = layers[i], self.plan.layers[i]
-            materialize(layer, lp.prefix, self.ckpt, self.compute, self.device)
+            with self.timing.measure("load"):
+                materialize(layer, lp.prefix, self.ckpt, self.compute, self.device)
             hidden, note = visitor.visit(i, layer, lp, LayerInput(hidden, kwargs[i] if kwargs else None, layout))
             release(layer)
             bar.set_postfix_str(note)
@@ -167,7 +170,8 @@ class Walk:
             return None, None, None
         bs = self.plan.calibration.batch_size
         layout = ChunkLayout.of(input_ids.shape[0], bs, input_ids.shape[1], self.ranks)
-        first, by_size = capture_layer_inputs(self.model, self.arch, self.ckpt, layout.local(input_ids), self.compute, bs)
+        with self.timing.measure("capture"):
+            first, by_size = capture_layer_inputs(self.model, self.arch, self.ckpt, layout.local(input_ids), self.compute, bs)
         hidden = first if start == 0 else layout.local(resume(start))
         del first
         nbytes = hidden.numel() * hidden.element_size()
