@@ -7,7 +7,7 @@ text, in one run on one machine. Prints one JSON document (and writes it to --ou
 
 Every quantkit row is `recipes/smollm2-w4a16-gptq.yaml` (W4A16 int4, group 64, symmetric; `num_samples` x 512
 calibration tokens from its builtin sources, seed 0) with its stages replaced as ROWS says, converted in its own
-process without tracking. The peers get the same token ids (a safetensors file) in their own venvs
+process without tracking, its calibration forward in float32 (`NAME@bf16`: bfloat16). The peers get the same token ids (a safetensors file) in their own venvs
 (benchmarks/anchor_llmcompressor.py, benchmarks/anchor_autoround.py). Perplexity: transformers, fp32, on
 calibration/heldout/technical.txt (text no calibration source contains), 512-token windows, for the float model
 and every result; `ratio` is result / float. Wall time includes each process's start; peak RSS is the
@@ -57,8 +57,9 @@ def _rows(steps: int) -> dict[str, list[str]]:
     }
 
 
-def convert_row(name: str, stages: list[str], out: Path, samples: int, batch: int) -> dict:
-    sets = [f"stages=[{', '.join(stages)}]", f"calibration.num_samples={samples}", f"calibration.batch_size={batch}"]
+def convert_row(name: str, stages: list[str], out: Path, samples: int, batch: int, compute: str = "float32") -> dict:
+    sets = [f"stages=[{', '.join(stages)}]", f"calibration.num_samples={samples}", f"calibration.batch_size={batch}",
+            f"model.compute_dtype={compute}"]
     cmd = [sys.executable, "-m", "quantkit.cli", "--no-track", "convert", RECIPE, "-o", str(out), "-q", "--overwrite",
            "--preflight", "capability", *(a for s in sets for a in ("--set", s))]
     t0 = time.perf_counter()
@@ -68,6 +69,7 @@ def convert_row(name: str, stages: list[str], out: Path, samples: int, batch: in
     layers = man.get("layers", {})
     kept = [v.get("autoround_kept_start") for v in layers.values() if "autoround_kept_start" in v]
     return {"row": name, "toolkit": "quantkit", "scheme": "W8A8" if "W8A8" in stages[-1] else "W4A16 g64", "stages": stages, "wall_s": round(wall, 1),
+            "compute_dtype": man["conversion"]["compute_dtype"],
             "convert_s": man["conversion"]["wall_time_s"], "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6),
             "calibration_fingerprint": man["calibration"]["fingerprint"][:16],
             **({"autoround_modules_kept_start": f"{sum(kept)} of {len(kept)}"} if kept else {})}
@@ -78,7 +80,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32, help="calibration samples of 512 tokens")
     ap.add_argument("--batch", type=int, default=2, help="calibration.batch_size (autoround: samples per step)")
     ap.add_argument("--steps", type=int, default=50, help="autoround steps per layer (ours and intel's)")
-    ap.add_argument("--rows", default=None, help="comma-separated quantkit rows (default: all)")
+    ap.add_argument("--rows", default=None, help="comma-separated quantkit rows (default: all); NAME@bf16 computes "
+                                                 "that row's calibration forward in bfloat16 (default float32)")
     ap.add_argument("--llmcompressor", help="python of a venv with llm-compressor (its GPTQ row)")
     ap.add_argument("--autoround", help="python of a venv with intel auto-round (its row, at --steps)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
@@ -110,9 +113,10 @@ def main() -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="qk-accuracy-") as td:
-        for name in names:
+        for name in names:  # NAME@bf16: that row with the calibration forward in bfloat16
+            base, _, dt = name.partition("@")
             out = Path(td) / name
-            add(convert_row(name, rows[name], out, args.samples, args.batch), out)
+            add(convert_row(name, rows[base], out, args.samples, args.batch, "bfloat16" if dt == "bf16" else "float32"), out)
         ids_file = Path(td) / "ids.safetensors"
         save_file({"input_ids": calib.input_ids.contiguous()}, str(ids_file))
         if args.llmcompressor:
