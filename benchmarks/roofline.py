@@ -21,6 +21,8 @@ conversion comes to it. Prints one JSON document (and writes it to --json-out wh
    compute dtype for the forward; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
    peak; `layers_over_ideal` the measured layer time over it. Phases not modelled (load, save, capture,
    transforms, refine) have their seconds and no FLOPs.
+4. Memory: the conversion's peak RSS against its bound, part by part (scale.py's `bound_parts_mb`: the imports,
+   the largest layer in the compute dtype, its largest Hessian in fp32, the calibration activations).
 """
 
 from __future__ import annotations
@@ -127,9 +129,11 @@ def main() -> None:
     r = scale.convert(model, work / f"out-{target}-{method}", method, args.samples, args.seq_len, args.device)
     compute = r["compute_dtype"]
     flops = layer_flops(shape, method, args.samples * args.seq_len, args.seq_len)
+    parts = scale.bound_parts_mb(shape, method, args.samples, args.seq_len, scale.import_baseline_mb(), compute)
     doc = {"run": args.run, "samples": args.samples, "seq_len": args.seq_len, "compute_dtype": compute,
            "hardware": hardware(), "peak_gflops": peaks, "convert_s": r["convert_s"], "wall_s": r["wall_s"],
-           "peak_rss_mb": r["peak_rss_mb"], **roofline(r["phases_s"], flops, int(layers), peaks,
+           "peak_rss_mb": r["peak_rss_mb"], "bound_parts_mb": parts,
+           "peak_over_bound": round(r["peak_rss_mb"] / sum(parts.values()), 3), **roofline(r["phases_s"], flops, int(layers), peaks,
                                                       compute if compute in peaks else "float32")}
     text = json.dumps(doc, indent=2)
     if args.json_out:
