@@ -9,6 +9,7 @@ checks and asking the engine first (quantkit/preflight.py).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from quantkit.distributed import join, launched_world
 from quantkit.hardware import conversion_device
 from quantkit.locks import exclusive, lock_beside
 from quantkit.pipeline import RunOptions, execute, prepare
+from quantkit.quantize.streamed import PATH_ENV
 from quantkit.recipe import Recipe
 
 log = logging.getLogger("quantkit")
@@ -44,6 +46,12 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     format rules and the capability check) or off; None: QUANTKIT_PREFLIGHT, else engine
     (quantkit/preflight.py). It runs before any calibration.
 
+    The conversion path is QUANTKIT_CONVERT_PATH's (`quantkit convert --path` sets it, for every rank): auto
+    (default: the model-free path, quantkit/quantize/streamed.py, whenever every stage is a quantizer that needs
+    no data and there is no calibration or KV-cache section; else the layer path), layers, or streamed (refused,
+    with the reason, for a recipe the model-free path cannot convert). The export is byte-identical either way;
+    the manifest's conversion.path says which ran.
+
     `on_weight`, when given, is called with every quantized module's dequantized weight and every float
     tensor a transform or QAT rewrote, by parameter name (a public hook for tools that compare the export
     with the in-memory quantized model).
@@ -55,7 +63,8 @@ def convert(recipe: Recipe, output: Path | None = None, restart: bool = False, o
     rank, world, local_rank = launched_world()
     placed = conversion_device(device, local_rank)  # each rank its own GPU under torchrun
     ranks = join(placed[0])
-    opts = RunOptions(output, ranks, restart, quiet if ranks.root else True, on_weight, t_start)
+    opts = RunOptions(output, ranks, restart, quiet if ranks.root else True, on_weight, t_start,
+                      path=os.environ.get(PATH_ENV) or "auto")
     if not ranks.root:  # rank 0 holds the lock for the whole group
         if output.exists() and not overwrite:
             raise FileExistsError(f"{output} already exists; pass --overwrite to replace it, or choose --output")

@@ -3,6 +3,10 @@
 
     prepare: resolve -> plan        execute: calibrate -> quantize -> [finetune] -> compress -> export -> rename
 
+A recipe of data-free quantizers only (RTN, no calibration section, no KV-cache scheme) takes the model-free
+path instead, unless asked not to (`RunOptions.path`): each weight streamed from the checkpoint to the export
+on its own, byte-identical to the layer path (quantkit/quantize/streamed.py).
+
 Everything is built in `.<output>.partial/` beside the output (work/ is the resume point, export/ the
 artifact being written); the output appears with one rename when it is complete. Locking, and asking the
 engine first, are the verb's (quantkit/convert.py).
@@ -62,6 +66,9 @@ class RunOptions:
     on_weight: Callable[[str, torch.Tensor], None] | None = None
     started: float = 0.0  # time.perf_counter() when the verb started
     preflight: dict | None = None  # what pre-flight checked, for the manifest
+    # auto: the model-free path whenever the recipe allows it (quantkit/quantize/streamed.py), else the layers;
+    # layers / streamed: that path (streamed refuses a recipe it cannot convert, with the reason)
+    path: str = "auto"
 
 
 def partial_dir(output: Path) -> Path:
@@ -103,10 +110,15 @@ def execute(inp: Inputs, opts: RunOptions) -> Path:
                        ranks).check(f"recipe {recipe.name!r}")
     partial = partial_dir(opts.output)
     needed = disk_needed(inp.plan, inp.source, calib.input_ids.shape if calib else None, inp.model.config)
-    if not ranks.root:  # its share of the layer pipeline; rank 0 locks, writes and exports
+    streams, why = _streams(inp, opts)
+    if not ranks.root:  # its share of the layer pipeline (or of the modules); rank 0 locks, writes and exports
+        from quantkit.quantize.streamed import quantize_tensors
         from quantkit.quantize.workdir import WorkDir
 
-        _quantize_layers(inp, calib, WorkDir(partial / "work"), int(share(None, 0, ranks)[0].item()), opts)
+        if streams:
+            quantize_tensors(_tensor_job(inp, opts), WorkDir(partial / "work"), quiet=True)
+        else:
+            _quantize_layers(inp, calib, WorkDir(partial / "work"), int(share(None, 0, ranks)[0].item()), opts)
         leave()
         return opts.output
     check_free_space(partial, needed)
@@ -114,7 +126,8 @@ def execute(inp: Inputs, opts: RunOptions) -> Path:
     try:
         with _log_to(partial / "convert.log"):
             log.info("convert %s -> %s (about %s of disk needed)", recipe.name, opts.output, human_bytes(needed))
-            export_dir = _convert_root(inp, calib, partial, opts)
+            log.info("conversion path: %s (%s)", "streamed" if streams else "layers", why)
+            export_dir = _stream_root(inp, partial, opts) if streams else _convert_root(inp, calib, partial, opts)
         replace_dir(export_dir, opts.output)  # the only moment the final name appears: one rename of a complete folder
     except OSError as exc:
         if exc.errno in ENVIRONMENT_ERRNOS:  # disk full, I/O error: say which file and that a rerun resumes
@@ -151,14 +164,70 @@ def _convert_root(inp: Inputs, calib, partial: Path, opts: RunOptions) -> Path:
         typed = finetuned.files
     base = {"path": recipe.model.path, "resolved_dir": str(inp.model_dir), "fingerprint": fingerprint["model"],
             "description": model_description(inp.model_dir)}  # e.g. a dequantized GGUF
-    conversion = {"device": str(device), "device_reason": device_why, "compute_dtype": compute,
-                  "compute_dtype_reason": compute_why, "resumed_at_layer": start or None,
-                  "processes": opts.ranks.world, "preflight": opts.preflight,
-                  "rotation": inp.source.summary, "phases_s": job.timing.summary(),
-                  "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    conversion = {**_conversion_facts(inp, opts, "layers", job.timing), "resumed_at_layer": start or None}
     facts = RunFacts(recipe, fingerprint["recipe"], base, calib.summary() if calib else None, conversion,
                      finetuned.summary if finetuned else None, opts.started)
     return _export(inp, work, typed, job.scale_dtype, finetuned.extra_files if finetuned else [], facts, partial)
+
+
+def _conversion_facts(inp: Inputs, opts: RunOptions, path: str, timing) -> dict:
+    """The manifest's `conversion` section, as both paths record it."""
+    (device, device_why), (compute, compute_why) = inp.placed, inp.compute
+    return {"path": path, "device": str(device), "device_reason": device_why, "compute_dtype": compute,
+            "compute_dtype_reason": compute_why, "processes": opts.ranks.world, "preflight": opts.preflight,
+            "rotation": inp.source.summary, "phases_s": timing.summary(),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def _streams(inp: Inputs, opts: RunOptions) -> tuple[bool, str]:
+    """Whether this conversion takes the model-free path (quantkit/quantize/streamed.py), and why."""
+    from quantkit.quantize.streamed import LAYERS, PATHS, STREAMED, why_not_streamed
+
+    if opts.path not in PATHS:
+        raise ConvertError(f"conversion path {opts.path!r}: expected one of {', '.join(PATHS)}")
+    if opts.path == LAYERS:
+        return False, "asked for"
+    why = why_not_streamed(inp.plan, inp.source)
+    if why is not None and opts.path == STREAMED:
+        raise ConvertError(f"recipe {inp.recipe.name!r} cannot take the streamed (model-free) path: {why}; "
+                           "convert it with --path auto or --path layers")
+    return why is None, why or ("asked for" if opts.path == STREAMED else "auto: every stage is a data-free quantizer")
+
+
+def _tensor_job(inp: Inputs, opts: RunOptions):
+    from quantkit.quantize.streamed import TensorJob
+    from quantkit.quantize.timing import for_device
+
+    return TensorJob(inp.plan, inp.source, inp.placed[0], getattr(torch, inp.compute[0]),
+                     getattr(torch, inp.recipe.model.dtype), opts.ranks, opts.on_weight, for_device(inp.placed[0]))
+
+
+def _stream_root(inp: Inputs, partial: Path, opts: RunOptions) -> Path:
+    """Rank 0 of the model-free path: every module streamed into the work folder (resuming: finished modules
+    are skipped), then the export; returns the finished export folder inside `partial`."""
+    from quantkit.model.sources import model_description
+    from quantkit.quantize import streamed
+    from quantkit.quantize.workdir import WorkDir
+
+    recipe = inp.recipe
+    fingerprint = {"recipe": recipe.hash(), "model": model_fingerprint(inp.model_dir), "calibration": None,
+                   "compute_dtype": inp.compute[0], "path": streamed.STREAMED}
+    work = WorkDir(partial / "work")
+    work.start(fingerprint, opts.restart)
+    log.info("streamed (model-free) path: %d modules, one tensor at a time on %s, %d process(es)",
+             len(inp.plan.targets), inp.placed[0], opts.ranks.world)
+    job = _tensor_job(inp, opts)
+    resumed = streamed.quantize_tensors(job, work, opts.quiet)
+    if resumed:
+        log.info("resuming: %d modules were already done", resumed)
+    leave()
+    base = {"path": recipe.model.path, "resolved_dir": str(inp.model_dir), "fingerprint": fingerprint["model"],
+            "description": model_description(inp.model_dir)}
+    conversion = {**_conversion_facts(inp, opts, streamed.STREAMED, job.timing), "resumed_at_layer": None,
+                  "resumed_modules": resumed or None}
+    facts = RunFacts(recipe, fingerprint["recipe"], base, None, conversion, None, opts.started)
+    return _write_export(inp, streamed.produced(inp.plan, work), streamed.module_stats(inp.plan, work), [],
+                         facts, partial)
 
 
 def _quantize_layers(inp: Inputs, calib, work, start: int, opts: RunOptions):
@@ -184,16 +253,25 @@ def _finetune(inp: Inputs, typed: list[Path], root: Path, opts: RunOptions):
 
 def _export(inp: Inputs, work, typed: list[Path], scale_dtype: torch.dtype, extra_files: list[Path],
             facts: RunFacts, partial: Path) -> Path:
-    from quantkit.export.artifact import compress_results, write_artifact
+    from quantkit.export.artifact import compress_results
 
-    export_dir, compressed = partial / "export", partial / "compressed"
-    for d in (export_dir, compressed):
-        shutil.rmtree(d, ignore_errors=True)
+    compressed = partial / "compressed"
+    shutil.rmtree(compressed, ignore_errors=True)
     produced = compress_results(inp.plan, typed, compressed, scale_dtype)
+    return _write_export(inp, LazyCheckpoint(compressed, produced), work.layer_stats(len(inp.plan.layers)),
+                         extra_files, facts, partial)
+
+
+def _write_export(inp: Inputs, produced: LazyCheckpoint, stats: dict[str, dict], extra_files: list[Path],
+                  facts: RunFacts, partial: Path) -> Path:
+    """The artifact from the produced (compressed) tensors, in `partial/export`; returns that folder."""
+    from quantkit.export.artifact import write_artifact
+
+    export_dir = partial / "export"
+    shutil.rmtree(export_dir, ignore_errors=True)
     export_dir.mkdir()
     shutil.copy2(partial / "convert.log", export_dir / "convert.log")
-    manifest = write_artifact(export_dir, inp.model_dir, inp.source, LazyCheckpoint(compressed, produced), inp.plan,
-                              work.layer_stats(len(inp.plan.layers)), extra_files, facts)
+    manifest = write_artifact(export_dir, inp.model_dir, inp.source, produced, inp.plan, stats, extra_files, facts)
     log.info("export written: %d files, %.1f MB, %.1fs", len(manifest["files"]),
              manifest["size_bytes"] / 1e6, time.perf_counter() - facts.started)
     return export_dir

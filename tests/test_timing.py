@@ -53,8 +53,9 @@ def test_a_gptq_conversion_records_its_phases(tiny_llama, calib_text, tmp_path):
     assert ph["layer"] + ph["load"] + ph["capture"] <= conv["wall_time_s"]
 
 
-def test_an_rtn_conversion_has_no_hessian_or_forward_phase(tiny_llama, tmp_path):
+def test_an_rtn_conversion_has_no_hessian_or_forward_phase(tiny_llama, tmp_path, monkeypatch):
     r = parse_recipe(tiny_recipe(tiny_llama, None, [{"method": "rtn", "scheme": "W8A8"}]))
+    monkeypatch.setenv("QUANTKIT_CONVERT_PATH", "layers")  # auto would stream it (tests/test_streamed.py)
     api.convert(r, tmp_path / "out", quiet=True)
     ph = json.loads((tmp_path / "out" / "manifest.json").read_text())["conversion"]["phases_s"]
     assert "hessian" not in ph and "capture" not in ph

@@ -33,6 +33,7 @@ def convert(
     device: Annotated[str, typer.Option("--device", help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = "auto",
     nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes on this machine (torchrun underneath): calibration chunks and GPTQ solves are split across them; the result is the same.")] = 1,
     preflight: Annotated[Optional[str], typer.Option("--preflight", help="Before calibrating: engine (vLLM loads a small model in the recipe's formats and generates a token; cached), capability (format rules and the capability check only) or off. Default: QUANTKIT_PREFLIGHT, else engine.")] = None,
+    path: Annotated[Optional[str], typer.Option("--path", help="auto (the model-free path, each weight streamed from the checkpoint to the export, when every stage is data-free RTN with no calibration or kv_cache section; else layer by layer), layers, or streamed. The export is byte-identical either way. Default: QUANTKIT_CONVERT_PATH, else auto.")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Quantize the model a recipe names and export a compressed-tensors checkpoint with a manifest.
@@ -47,6 +48,14 @@ def convert(
     r = load_recipe(recipe, set_ or [])  # refuse a bad recipe once, before any process starts
     if preflight is not None and preflight not in MODES:
         fail(f"--preflight {preflight!r}: expected one of {', '.join(MODES)}")
+    import os
+
+    from quantkit.quantize.streamed import PATH_ENV, PATHS
+
+    if path is not None and path not in PATHS:
+        fail(f"--path {path!r}: expected one of {', '.join(PATHS)}")
+    if path is not None:
+        os.environ[PATH_ENV] = path  # read by quantkit.convert.convert, here and in every rank --nproc starts
     from quantkit.distributed import launched_world
 
     rank0 = launched_world()[0] == 0  # under torchrun, rank 0 alone tracks and reports

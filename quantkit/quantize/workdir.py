@@ -1,5 +1,6 @@
 """The resume folder of a conversion (`.<output>.partial/work/`): per layer, the modules' typed results
-(safetensors) and stats (JSON), the next layer's input, and state.json naming the next layer.
+(safetensors) and stats (JSON), the next layer's input, and state.json naming the next layer; on the
+model-free path (quantkit/quantize/streamed.py) instead one file per finished module in `tensors/`.
 
 A layer file holds, per quantized module, its codes (`<module>.codes`: int8 for integer schemes, e4m3 for
 fp8), `<module>.scale` (fp32, holding values exact in the storage dtype), `<module>.zero_point` (int8,
@@ -94,7 +95,8 @@ class WorkDir:
         st = self.state()
         if st is not None and st["fingerprint"] != fingerprint:
             if not restart:
-                changed = [k for k in fingerprint if st["fingerprint"].get(k) != fingerprint[k]]
+                changed = [k for k in sorted({*fingerprint, *st["fingerprint"]})
+                           if st["fingerprint"].get(k) != fingerprint.get(k)]
                 raise ConvertError(
                     f"{self.root}: an unfinished conversion with a different {', '.join(changed)} is here; "
                     "run again with --restart to discard it, or choose another --output")
@@ -130,6 +132,29 @@ class WorkDir:
         for i in range(n):
             stats.update(json.loads((self.layers / f"{i:05d}.json").read_text()))
         return stats
+
+    # the model-free path (quantkit/quantize/streamed.py): one file per quantized module, its export tensors
+    # with its stats in the file's metadata, written under a temporary name and renamed; a file that exists
+    # is a finished module, so a rerun skips it (there is no state to move on: the files are the state)
+    @property
+    def tensors(self) -> Path:
+        return self.root / "tensors"
+
+    def tensor_file(self, module: str) -> Path:
+        return self.tensors / f"{module}.safetensors"
+
+    def save_tensor(self, module: str, tensors: dict[str, torch.Tensor], stats: dict) -> None:
+        self.tensors.mkdir(exist_ok=True)
+        path = self.tensor_file(module)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt", "stats": json.dumps(stats)})
+        tmp.replace(path)
+
+    def tensor_stats(self, module: str) -> dict:
+        from safetensors import safe_open
+
+        with safe_open(str(self.tensor_file(module)), framework="pt") as h:
+            return json.loads(h.metadata()["stats"])
 
 
 def save_typed(path: Path, results: list[ModuleResult]) -> None:
