@@ -68,8 +68,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", help="dtype llm-compressor loads the model in")
     ap.add_argument("--side-by-side", action="store_true",
-                    help="also convert the same recipe and tokens with quantkit (compute dtype auto and float32), "
-                         "one after the other in this run, and print the wall-time ratios")
+                    help="also convert the same recipe and tokens with quantkit (compute dtype auto and float32; "
+                         "pre-flight's engine step off: the anchor has none), one after the other in this run, and "
+                         "print the wall-time ratios and quantkit's seconds per phase")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from safetensors.torch import save_file
@@ -102,7 +103,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "quantkit.cli", "--no-track", "convert", "recipes/smollm2-w4a16-gptq.yaml",
                                 "-o", str(qk), "-q", "--set", f"calibration.num_samples={args.samples}",
-                                "--set", f"model.compute_dtype={dt}"], cwd=REPO, check=True)
+                                "--set", f"model.compute_dtype={dt}", "--preflight", "capability"], cwd=REPO, check=True)
                 qwall = time.perf_counter() - t0
                 man = json.loads((qk / "manifest.json").read_text())
                 assert man["calibration"]["fingerprint"][:16] == result["calibration_fingerprint"]  # the same tokens
@@ -110,6 +111,7 @@ def main() -> None:
                     "compute_dtype": man["conversion"]["compute_dtype"], "reason": man["conversion"]["compute_dtype_reason"],
                     "wall_s": round(qwall, 1), "convert_s": man["conversion"]["wall_time_s"],
                     "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6), "perplexity": perplexity(qk),
+                    "phases_s": man["conversion"].get("phases_s"),
                     "speedup_vs_anchor_wall": round(wall / qwall, 2)})
     print(json.dumps(result, indent=2))
 
