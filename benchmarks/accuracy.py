@@ -49,6 +49,7 @@ def _rows(steps: int) -> dict[str, list[str]]:
         "rotate-gptq": [ROT, f"{{method: gptq, {W4}, actorder: static}}"],
         "rotate-gptq-mse": [ROT, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
         "rotate-awq-gptq-mse": [ROT, AWQ, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
+        "rotate-autoround-gptq-mse": [ROT, f"{{{ar}, init: gptq, actorder: static, observer: mse}}"],
         # W8A8 (int8 channels, dynamic per-token int8 activations)
         "w8a8-rtn": ["{method: rtn, scheme: W8A8}"],
         "w8a8-gptq": ["{method: gptq, scheme: W8A8}"],

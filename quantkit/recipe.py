@@ -32,10 +32,10 @@ class ModelSpec(Strict):
     path: str = Field(description="local HF folder, a .gguf file, a hub id, or a demo name (smollm2-135m)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
-        "float32", description="dtype of the calibration forward (weights and activations of the layer being "
-                               "quantized): auto = bfloat16 where the hardware has native bf16 (CUDA, AMX / "
-                               "AVX512-BF16 CPUs), else float32. Hessians and solves are fp32 regardless. float32 "
-                               "stays the default until bf16 is shown to cost no perplexity (see README)")
+        "auto", description="dtype of the calibration forward (weights and activations of the layer being "
+                            "quantized): auto = bfloat16 where the hardware has native bf16 (CUDA, AMX / "
+                            "AVX512-BF16 CPUs), else float32. Hessians and solves are fp32 regardless. On the demo's "
+                            "4-bit recipe bf16 cost 0.1% perplexity (1.1339 vs 1.1325 of float; README, Accuracy)")
     trust_remote_code: bool = False
     revision: str | None = None
 
