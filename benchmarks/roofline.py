@@ -22,7 +22,8 @@ conversion comes to it. Prints one JSON document (and writes it to --json-out wh
    peak; `layers_over_ideal` the measured layer time over it. Phases not modelled (load, save, capture,
    transforms, refine) have their seconds and no FLOPs.
 4. Memory: the conversion's peak RSS against its bound, part by part (scale.py's `bound_parts_mb`: the imports,
-   the largest layer in the compute dtype, its largest Hessian in fp32, the calibration activations).
+   the largest layer in the compute dtype, its largest Hessian in fp32, the calibration activations), and where
+   the peak actually grew (the manifest's `peak_at_start_mb` and `peak_raised_mb` per phase).
 """
 
 from __future__ import annotations
@@ -124,15 +125,17 @@ def main() -> None:
     if args.device.startswith("cuda") or native_bf16():
         peaks["bfloat16"] = round(matmul_peak_gflops("bfloat16", args.peak_n, device=args.device), 1)
     print(json.dumps({"peak_gflops": peaks}), file=sys.stderr, flush=True)
+    imports_mb = scale.import_baseline_mb()
     work = args.work or Path(tempfile.mkdtemp(prefix="quantkit-roofline-"))
     model = scale.write_checkpoint(work / target, shape, int(layers))
     r = scale.convert(model, work / f"out-{target}-{method}", method, args.samples, args.seq_len, args.device)
     compute = r["compute_dtype"]
     flops = layer_flops(shape, method, args.samples * args.seq_len, args.seq_len)
-    parts = scale.bound_parts_mb(shape, method, args.samples, args.seq_len, scale.import_baseline_mb(), compute)
+    parts = scale.bound_parts_mb(shape, method, args.samples, args.seq_len, imports_mb, compute)
     doc = {"run": args.run, "samples": args.samples, "seq_len": args.seq_len, "compute_dtype": compute,
            "hardware": hardware(), "peak_gflops": peaks, "convert_s": r["convert_s"], "wall_s": r["wall_s"],
-           "peak_rss_mb": r["peak_rss_mb"], "bound_parts_mb": parts,
+           "peak_rss_mb": r["peak_rss_mb"], "peak_at_start_mb": r["peak_at_start_mb"],
+           "peak_raised_mb": r["peak_raised_mb"], "bound_parts_mb": parts,
            "peak_over_bound": round(r["peak_rss_mb"] / sum(parts.values()), 3), **roofline(r["phases_s"], flops, int(layers), peaks,
                                                       compute if compute in peaks else "float32")}
     text = json.dumps(doc, indent=2)

@@ -113,8 +113,10 @@ def import_baseline_mb(cache: Path | None = None) -> float:
     (one per --work folder: the steps of one device check share it)."""
     if cache is not None and cache.is_file():
         return float(cache.read_text())
-    code = ("import resource, torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors;"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of a process that has grown (one that
+    # wrote a checkpoint) would report the parent's size; VmHWM belongs to the new image
+    code = ("import torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors;"
+            "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')) / 1024)")
     mb = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip())
     if cache is not None:
@@ -149,7 +151,8 @@ def convert(model: Path, out: Path, method: str, samples: int, seq_len: int, dev
             "device": man["conversion"]["device"], "compute_dtype": man["conversion"]["compute_dtype"],
             "artifact_mb": round(man["size_bytes"] / 1e6), "disk_needed": need.group(1) if need else None,
             "calibration_tokens": (man["calibration"] or {}).get("num_tokens"),
-            "phases_s": man["conversion"].get("phases_s")}
+            "phases_s": man["conversion"].get("phases_s"), "peak_at_start_mb": man["conversion"].get("peak_at_start_mb"),
+            "peak_raised_mb": man["conversion"].get("peak_raised_mb")}
 
 
 def bound_parts_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: float, compute: str) -> dict:

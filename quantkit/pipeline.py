@@ -175,7 +175,7 @@ def _conversion_facts(inp: Inputs, opts: RunOptions, path: str, timing) -> dict:
     (device, device_why), (compute, compute_why) = inp.placed, inp.compute
     return {"path": path, "device": str(device), "device_reason": device_why, "compute_dtype": compute,
             "compute_dtype_reason": compute_why, "processes": opts.ranks.world, "preflight": opts.preflight,
-            "rotation": inp.source.summary, "phases_s": timing.summary(),
+            "rotation": inp.source.summary, "phases_s": timing.summary(), **timing.memory(),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 

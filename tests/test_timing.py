@@ -51,6 +51,8 @@ def test_a_gptq_conversion_records_its_phases(tiny_llama, calib_text, tmp_path):
     inside = sum(ph.get(k, 0.0) for k in timing.INSIDE_LAYER)
     assert ph["forward"] == pytest.approx(ph["layer"] - inside, abs=2e-3)
     assert ph["layer"] + ph["load"] + ph["capture"] <= conv["wall_time_s"]
+    # the peak's growth, phase by phase, adds up to no more than the conversion's own peak
+    assert 0 < conv["peak_at_start_mb"] + sum(conv["peak_raised_mb"].values()) <= conv["peak_rss_bytes"] / 1e6 + 0.2
 
 
 def test_an_rtn_conversion_has_no_hessian_or_forward_phase(tiny_llama, tmp_path, monkeypatch):
@@ -93,3 +95,23 @@ def test_the_forward_flop_model_matches_torchs_counter_on_a_real_decoder_layer()
     modelled = rl.layer_flops("toy", "gptq", batch * seq, seq)["forward"]
     assert linear > 0 and attention > 0
     assert modelled == pytest.approx(linear + attention / 2, rel=1e-9)
+
+
+def test_peak_growth_is_charged_to_the_innermost_open_phase():
+    mb = 1_000_000
+    peaks = iter([100 * mb, 100 * mb, 160 * mb, 160 * mb, 400 * mb, 450 * mb])  # VmHWM at each boundary in turn
+    t = timing.PhaseTimes(peak=lambda: next(peaks))
+    with t.measure("layer"):  # 100 when the first phase begins
+        with t.measure("hessian"):  # 100 -> 160 inside: hessian +60
+            pass
+        with t.measure("solve"):  # 160 -> 400 inside: solve +240
+            pass
+    # 400 -> 450 between the solve's end and the layer's: the layer's own share, charged as forward
+    assert t.memory() == {"peak_at_start_mb": 100.0, "peak_raised_mb": {"forward": 50.0, "hessian": 60.0, "solve": 240.0}}
+
+
+def test_without_proc_there_is_no_memory_section():
+    t = timing.PhaseTimes(peak=lambda: None)
+    with t.measure("layer"):
+        pass
+    assert t.memory() == {} and "layer" in t.summary()

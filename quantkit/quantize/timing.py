@@ -8,6 +8,11 @@ SmoothQuant searches), `refine` (autoround's learned rounding), `save` (the laye
 `layer` is each layer's whole visit; `forward` is what is left of it once the phases inside are taken out: the
 calibration forward through the layer (with the chunks' scheduling). On CUDA the clock is read after a
 synchronize, so a phase is charged with the kernels it launched.
+
+Memory the same way: at every phase boundary the process's peak RSS (VmHWM) is read, and what it grew since the
+last boundary is charged to the innermost phase open in between (`layer`'s own share under `forward`), so
+`peak_raised_mb` says which phase set each MB of the conversion's peak, above `peak_at_start_mb` (the imports,
+the model skeleton and the calibration set, read when the first phase began).
 """
 
 from __future__ import annotations
@@ -20,17 +25,42 @@ from typing import Callable
 INSIDE_LAYER = ("hessian", "solve", "diagnostics", "transforms", "refine", "save")
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set (VmHWM), or None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class PhaseTimes:
     """Seconds per phase, summed; `measure(name)` times a block (nesting is fine: `layer` holds the others)."""
 
-    def __init__(self, sync: Callable[[], None] | None = None):
+    def __init__(self, sync: Callable[[], None] | None = None, peak: Callable[[], int | None] = peak_rss_bytes):
         self.seconds: dict[str, float] = defaultdict(float)
-        self._sync = sync
+        self.raised: dict[str, int] = defaultdict(int)  # bytes of peak RSS growth charged to each phase
+        self._sync, self._peak = sync, peak
+        self._open: list[str] = []
+        self._start: int | None = None
+        self._last: int | None = None
+
+    def _boundary(self) -> None:
+        now = self._peak()
+        if now is None:
+            return
+        if self._start is None:
+            self._start = now
+        elif self._open and now > self._last:
+            self.raised["forward" if self._open[-1] == "layer" else self._open[-1]] += now - self._last
+        self._last = now
 
     @contextlib.contextmanager
     def measure(self, phase: str):
         if self._sync is not None:
             self._sync()
+        self._boundary()
+        self._open.append(phase)
         t0 = time.perf_counter()
         try:
             yield
@@ -38,6 +68,8 @@ class PhaseTimes:
             if self._sync is not None:
                 self._sync()
             self.seconds[phase] += time.perf_counter() - t0
+            self._boundary()
+            self._open.pop()
 
     def summary(self) -> dict[str, float]:
         """The phases in seconds (3 decimals), with `forward` derived from `layer` as the module docstring says."""
@@ -46,6 +78,13 @@ class PhaseTimes:
             inside = sum(self.seconds.get(k, 0.0) for k in INSIDE_LAYER)
             out["forward"] = round(max(self.seconds["layer"] - inside, 0.0), 3)
         return out
+
+    def memory(self) -> dict:
+        """Where the peak RSS grew: MB at the first phase, and MB of growth charged to each phase (1 decimal)."""
+        if self._start is None:
+            return {}
+        return {"peak_at_start_mb": round(self._start / 1e6, 1),
+                "peak_raised_mb": {k: round(v / 1e6, 1) for k, v in sorted(self.raised.items()) if v}}
 
 
 def for_device(device) -> PhaseTimes:
