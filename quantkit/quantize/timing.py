@@ -22,16 +22,9 @@ import time
 from collections import defaultdict
 from typing import Callable
 
+from quantkit.io import peak_rss_bytes
+
 INSIDE_LAYER = ("hessian", "solve", "diagnostics", "transforms", "refine", "save")
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident set (VmHWM), or None where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 class PhaseTimes:
