@@ -1,6 +1,6 @@
 """Real model shapes on this machine: random-weight checkpoints with the exact configs of Llama-3.1-8B,
 Qwen2.5-7B and a K-layer slice of Llama-3.1-70B, converted with GPTQ W4A16 g128 (static act-order), W8A8
-SmoothQuant + GPTQ or W8A8 RTN. Prints one JSON document (and writes it to --json-out when given).
+SmoothQuant + GPTQ, W8A8 RTN, rotation + GPTQ with MSE scales (rot-gptq-mse) or autoround (METHODS). Prints one JSON document (and writes it to --json-out when given).
 
     python benchmarks/scale.py                                  # the default plan below (about 40 min on 2 cores)
     python benchmarks/scale.py --runs llama8b-2:gptq --samples 16 --seq-len 512
