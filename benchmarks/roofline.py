@@ -64,18 +64,9 @@ def matmul_peak_gflops(dtype: str, n: int, reps: int = 5, device: str = "cpu") -
     return 2 * n ** 3 / best / 1e9
 
 
-def linears(shape: str) -> list[tuple[str, int, int, int]]:
-    """(name, out, in, sequential group) of one decoder layer's Linears."""
-    s = scale.SHAPES[shape]
-    h, i = s["hidden_size"], s["intermediate_size"]
-    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
-    return [("q_proj", h, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, h, 1),
-            ("gate_proj", i, h, 2), ("up_proj", i, h, 2), ("down_proj", h, i, 3)]
-
-
 def layer_flops(shape: str, method: str, tokens: int, seq_len: int) -> dict[str, float]:
     """FLOPs per decoder layer and phase (the module docstring's model)."""
-    lin = linears(shape)
+    lin = scale.linears(shape)
     h = scale.SHAPES[shape]["hidden_size"]
     forward = 2 * tokens * sum(o * i for _, o, i, _ in lin) + 2 * tokens * seq_len * h
     out = {"forward": float(forward) if method == "gptq" else 0.0,

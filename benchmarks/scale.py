@@ -155,14 +155,22 @@ def convert(model: Path, out: Path, method: str, samples: int, seq_len: int, dev
             "peak_raised_mb": man["conversion"].get("peak_raised_mb")}
 
 
+def linears(shape: str) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, sequential group) of one decoder layer's Linears."""
+    s = SHAPES[shape]
+    h, i = s["hidden_size"], s["intermediate_size"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    return [("q_proj", h, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, h, 1),
+            ("gate_proj", i, h, 2), ("up_proj", i, h, 2), ("down_proj", h, i, 3)]
+
+
 def bound_parts_mb(shape: str, method: str, samples: int, seq_len: int, baseline_mb: float, compute: str) -> dict:
     """What the conversion's peak RSS should stay within, part by part (MB): the imports, the largest layer's
     weights in the compute dtype, its largest GPTQ Hessian (fp32) and the calibration activations (a layer's
     input and output for the whole batch, in the compute dtype)."""
     s = SHAPES[shape]
     h, i = s["hidden_size"], s["intermediate_size"]
-    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
-    layer_params = h * (h + 2 * kv) + h * h + 3 * h * i
+    layer_params = sum(o * n for _, o, n, _ in linears(shape))
     size = 2 if compute == "bfloat16" else 4
     calibrated = any(st["method"] in CALIBRATED for st in METHODS[method])
     hessian = max(h, i) ** 2 * 4 if any(st["method"] in ("gptq", "autoround") for st in METHODS[method]) else 0

@@ -98,6 +98,12 @@ class GroupInputs:
                             sample=torch.cat(self._rows) if self._rows else None)
 
 
+def weight_stats(stage: int, method: str, scheme: str, w: torch.Tensor, q: QuantizedWeight, seconds: float) -> dict:
+    """A quantized module's manifest stats (both conversion paths write these, so their manifests agree)."""
+    return {"stage": stage, "method": method, "scheme": scheme, "weight_sqnr_db": round(sqnr_db(w, q.weight), 3),
+            "seconds": round(seconds, 4), **q.stats}
+
+
 def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], job: Job,
                    obs: Observations | None, fallback: QuantizerMethod | None = None) -> list[ModuleResult]:
     """Quantize one sequential group in place (weights replaced by their dequantized values), each member
@@ -117,8 +123,7 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
         for t, m, q, sec in zip(targets, mods, pieces, seconds):
             w = m.weight.detach().float()
             with job.timing.measure("diagnostics"):
-                stats = {"stage": si, "method": method.name, "scheme": t.scheme.name,
-                         "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(sec, 4), **q.stats}
+                stats = weight_stats(si, method.name, t.scheme.name, w, q, sec)
                 if obs.hessian is not None:  # exact over every calibration token
                     stats["output_sqnr_db"] = round(output_sqnr_db(w, q.weight, obs.hessian), 3)
                 elif obs.sample is not None:

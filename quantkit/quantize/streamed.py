@@ -31,12 +31,12 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.contract import Observations
 from quantkit.algorithms.registry import QuantizerMethod
-from quantkit.algorithms.rtn import sqnr_db
 from quantkit.distributed import SINGLE, Ranks, deal, share, sum_across
 from quantkit.export.compressed_tensors import compress_linear
 from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.checkpoint import LazyCheckpoint
 from quantkit.plan import Plan, Target
+from quantkit.quantize.layers import weight_stats
 from quantkit.quantize.timing import PhaseTimes
 from quantkit.quantize.workdir import WorkDir
 
@@ -88,8 +88,7 @@ def quantize_one(job: TensorJob, t: Target) -> tuple[dict[str, torch.Tensor], di
         q = t.quantizer.quantize([w], Observations(), t.scheme.weights, t.stage.config, job.scale_dtype)[0]
     seconds = time.perf_counter() - t0
     with job.timing.measure("diagnostics"):
-        stats = {"stage": t.stage.index, "method": t.quantizer.name, "scheme": t.scheme.name,
-                 "weight_sqnr_db": round(sqnr_db(w, q.weight), 3), "seconds": round(seconds, 4), **q.stats}
+        stats = weight_stats(t.stage.index, t.quantizer.name, t.scheme.name, w, q, seconds)
     del w
     if job.on_weight is not None:
         job.on_weight(t.name, q.weight.detach().cpu().clone())
