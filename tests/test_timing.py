@@ -51,8 +51,12 @@ def test_a_gptq_conversion_records_its_phases(tiny_llama, calib_text, tmp_path):
     inside = sum(ph.get(k, 0.0) for k in timing.INSIDE_LAYER)
     assert ph["forward"] == pytest.approx(ph["layer"] - inside, abs=2e-3)
     assert ph["layer"] + ph["load"] + ph["capture"] <= conv["wall_time_s"]
-    # the peak's growth, phase by phase, adds up to no more than the conversion's own peak
-    assert 0 < conv["peak_at_start_mb"] + sum(conv["peak_raised_mb"].values()) <= conv["peak_rss_bytes"] / 1e6 + 0.2
+    # the peak's growth, phase by phase, adds up to no more than the conversion's own peak: within the rounding of
+    # each figure to 0.1 MB, and the kernel's batched RSS counters (per-thread, 64 pages each: VmHWM lags by up to
+    # that, so two readings of the same peak can differ by a few hundred KB)
+    raised = conv["peak_raised_mb"]
+    slack = 0.05 * (1 + len(raised)) + 64 * 4096 * torch.get_num_threads() / 1e6
+    assert 0 < conv["peak_at_start_mb"] + sum(raised.values()) <= conv["peak_rss_bytes"] / 1e6 + slack
 
 
 def test_an_rtn_conversion_has_no_hessian_or_forward_phase(tiny_llama, tmp_path, monkeypatch):
