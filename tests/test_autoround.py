@@ -168,3 +168,51 @@ def test_a_converted_model_records_the_learned_layers_and_resumes_to_the_same_by
             assert v["autoround_error"] < v["autoround_error_start"]
     a = sorted(outs[0].glob("*.safetensors"))
     assert a and all(x.read_bytes() == (outs[1] / x.name).read_bytes() for x in a)
+
+
+# ------------------------------------------------------------------------------------- the reference, end to end
+@pytest.mark.parametrize("reference", ["float_model", "float_layer"])
+def test_each_layer_trains_towards_the_float_models_activations(tmp_path, calib_text, reference):
+    """With `reference: float_model` the target each layer's refinement sees is the float model's own hidden
+    state after that layer, as transformers computes it on the calibration ids (all but the last layer: its
+    hidden state there comes after the final norm); with `float_layer` it is not, from layer 1 on (the quantized
+    layer 0 changed layer 1's input), which shows the comparison can tell them apart."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model, tiny_recipe
+    from quantkit import api
+    from quantkit.algorithms import autoround
+    from quantkit.quantize import walk
+    from quantkit.recipe import parse_recipe
+
+    model_dir = make_tiny_model(tmp_path / "m", "llama", layers=3)
+    seen: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    real_error, real_capture = autoround._layer_error, walk.capture_layer_inputs
+
+    def error(p):  # called twice per layer (the start's error, the result's), with the layer's reference
+        seen.append(torch.cat([r.float() for r in p.reference]))
+        return real_error(p)
+
+    def capture(model, arch, ckpt, input_ids, *a):
+        ids.append(input_ids)
+        return real_capture(model, arch, ckpt, input_ids, *a)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(autoround, "_layer_error", error)
+    mp.setattr(walk, "capture_layer_inputs", capture)
+    try:
+        stage = {"method": "autoround", "scheme": "W4A16", "group_size": 16, "init": "rtn", "steps": 2,
+                 "reference": reference}
+        api.convert(parse_recipe(tiny_recipe(model_dir, calib_text, [stage])), tmp_path / "out", quiet=True)
+    finally:
+        mp.undo()
+    seen = seen[::2]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = model(ids[0], output_hidden_states=True).hidden_states
+    assert len(seen) == 3
+    for i in (0, 1):
+        want = states[i + 1]
+        close = torch.allclose(seen[i], want, atol=1e-4 * float(want.abs().max()), rtol=0)
+        assert close == (reference == "float_model" or i == 0), (i, float((seen[i] - want).abs().max()))

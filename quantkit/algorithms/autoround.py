@@ -7,8 +7,10 @@ walk's group pass, so the result can only start from a good point. Then, for the
 - each weight gets a rounding offset V in [-0.5, 0.5] per element, added before rounding, and (with `learn_clip`)
   a range factor per group in [clip_min, 1] (by default from an RTN start only) that shrinks the group's max (and, asymmetric, its min) before the
   scale is derived, exactly as the scale of the start was derived (rounded to its storage dtype);
-- the layer's output on calibration chunks is compared with the float layer's output on the same inputs
-  (mean squared error), gradients reach V and the factors through straight-through rounding, and every
+- the layer's output on calibration chunks (the quantized model's activations) is compared with the float
+  model's output at this layer (`reference: float_model`, the default: the float layer on the float model's own
+  activations, a second stream the walk carries; so each layer also undoes what the quantized layers before it
+  changed) or with the float layer on the same inputs (`float_layer`) (mean squared error), gradients reach V and the factors through straight-through rounding, and every
   parameter moves by `lr x sign(gradient)` with lr decaying linearly to zero over `steps`;
 - the parameters with the lowest chunk loss seen are kept, and they replace the start only if they also
   lower the error over every calibration chunk: the refinement never leaves a layer worse than its start.
@@ -52,6 +54,11 @@ class AutoRoundStage(GPTQStage):
     learn_clip: bool | None = Field(None, description="also learn a range factor per group (None: from an RTN "
                                                       "start only; GPTQ's error feedback is built on its scales)")
     clip_min: float = Field(0.7, gt=0, le=1, description="the smallest range factor learned")
+    reference: Literal["float_model", "float_layer"] = Field(
+        "float_model", description="what the layer's output is trained towards: the float MODEL's output at this "
+        "layer (the float layer on the float model's activations, carried beside the quantized ones: each layer "
+        "also corrects the drift of the quantized layers before it), or the float layer on the quantized model's "
+        "activations (no second stream)")
 
     @model_validator(mode="after")
     def _int_grid(self) -> "AutoRoundStage":

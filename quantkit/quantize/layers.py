@@ -15,6 +15,7 @@ layer straight from the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -261,8 +262,10 @@ class _ActivationQuant:
             h.remove()
 
 
-def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> tuple[list[ModuleResult], torch.Tensor | None]:
-    """Quantize one layer; return its results and the next layer's input (this rank's chunks).
+def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
+              inp: LayerInput) -> tuple[list[ModuleResult], torch.Tensor | None, torch.Tensor | None]:
+    """Quantize one layer; return its results, the next layer's input (this rank's chunks) and, where `inp`
+    carries the float model's activations, the float model's next ones (the float layer's output on them).
 
     With calibration data, the batch goes through the layer in chunks of `calibration.batch_size` samples,
     stepped by a ChunkScheduler: every chunk stops at the input of each sequential group in turn; once all
@@ -271,16 +274,21 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
     (quantkit/distributed.py).
     """
     if inp.hidden is None:  # weights only: no calibration forward
-        return [r for members in plan.groups for r in quantize_group(layer, plan.prefix, members, job, None)], None
+        return [r for members in plan.groups for r in quantize_group(layer, plan.prefix, members, job, None)], None, None
     bs = job.plan.calibration.batch_size
     layout = inp.layout or ChunkLayout.of(inp.hidden.shape[0], bs, inp.hidden.shape[1])
     pieces = inp.pieces(bs)
+    float_next = None
+    if inp.float_hidden is not None:  # the float model's next activations, from the layer before any change
+        with job.timing.measure("refine"):
+            float_next = torch.cat(layer_outputs(layer, inp.pieces(bs, inp.float_hidden), [])).to(inp.float_hidden.device)
     # transform stages (AWQ, SmoothQuant): one float forward to capture inputs, then fold the scales
     quantized = {t.name for t in plan.targets}
     with job.timing.measure("transforms"):
         smoothed = (apply_transforms(layer, plan.prefix, plan.smoothing, job, pieces, quantized, layout)
                     if plan.smoothing else {})
-    refining = _Refinement.of(layer, plan, job, pieces)  # autoround: the float layer's outputs, before any change
+    model_reference = list(float_next.split(bs)) if float_next is not None else None
+    refining = _Refinement.of(layer, plan, job, pieces, model_reference)  # autoround's targets, before any change
     groups = GroupInputHooks(plan, layout, job.timing)
     experts = _ExpertCalibration(plan, job) if plan.moe is not None else None
     kv_policy = job.plan.kv_cache  # k/v scales from the keys and values these (quantized-model) chunks feed attention
@@ -306,29 +314,52 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job, inp: LayerInput) -> t
         with job.timing.measure("refine"):
             refining.run(results, out)
     _attach(plan, results, kv, smoothed)
-    return results, out
+    return results, out, float_next
+
+
+def carries_float_stream(plan: Plan) -> bool:
+    """Whether the walk must carry the float model's activations beside the quantized model's: a layer-level
+    refinement (autoround) trains towards the float model's output."""
+    return any(t.quantizer.refine_layer is not None and getattr(t.stage.config, "reference", None) == "float_model"
+               for lp in plan.layers for t in lp.targets)
+
+
+def layer_outputs(layer: nn.Module, pieces: list[tuple[torch.Tensor, dict]], observers: list) -> list[torch.Tensor]:
+    """The layer's output per chunk (grad off), with `observers` installed for the pass."""
+    def call(h, kw):
+        y = layer(to_layer_device(h, layer), **kw)
+        return y[0] if isinstance(y, tuple) else y
+
+    with observing(layer, observers):
+        return [call(h, kw) for h, kw in pieces]
 
 
 class _Refinement:
     """The layer-level pass of quantizers that have one (autoround): after the group pass, each such stage's
-    Linears in this layer are refined together against the float layer's outputs on the same chunks, with the
-    engine's activation quantization in the forward. The next layer's input is then recomputed through the
+    Linears in this layer are refined together, on the quantized model's chunks with the engine's activation
+    quantization in the forward, towards the stage's reference: the float model's output at this layer
+    (`float_model`: the float layer on the float model's activations, which the walk carries) or the float
+    layer's output on the same chunks (`float_layer`). The next layer's input is then recomputed through the
     refined layer. (The layer's k/v-cache scales stay those of the group pass, from the start's weights.)"""
 
     def __init__(self, layer: nn.Module, plan: LayerPlan, job: Job, pieces: list[tuple[torch.Tensor, dict]],
-                 stages: dict[int, list[Target]]):
+                 stages: dict[int, list[Target]], model_reference: list[torch.Tensor] | None):
         self.layer, self.plan, self.job, self.pieces, self.stages = layer, plan, job, pieces, stages
         self.floats = {t.name: self._module(t).weight.detach().float().clone() for ts in stages.values() for t in ts}
         self.hessians: dict[str, torch.Tensor] = {}  # each refined module's input Hessian, for its output SQNR
-        self.reference = self._outputs(quantized=False)
+        wanted = {getattr(ts[0].stage.config, "reference", "float_layer") for ts in stages.values()}
+        if "float_model" in wanted and model_reference is None:
+            raise ConvertError(f"{plan.prefix}: the float model's activations were not carried to this layer")
+        self.references = {"float_model": model_reference,
+                           "float_layer": layer_outputs(layer, pieces, []) if "float_layer" in wanted else None}
 
     @classmethod
-    def of(cls, layer, plan: LayerPlan, job: Job, pieces) -> "_Refinement | None":
+    def of(cls, layer, plan: LayerPlan, job: Job, pieces, model_reference) -> "_Refinement | None":
         stages: dict[int, list[Target]] = {}
         for t in plan.targets:
             if t.quantizer.refine_layer is not None:
                 stages.setdefault(t.stage.index, []).append(t)
-        return cls(layer, plan, job, pieces, stages) if stages else None
+        return cls(layer, plan, job, pieces, stages, model_reference) if stages else None
 
     def _module(self, t: Target) -> nn.Module:
         return self.layer.get_submodule(t.name[len(self.plan.prefix):])
@@ -337,12 +368,6 @@ class _Refinement:
         h, kw = self.pieces[i]
         y = self.layer(to_layer_device(h, self.layer), **kw)
         return y[0] if isinstance(y, tuple) else y
-
-    def _outputs(self, quantized: bool) -> list[torch.Tensor]:
-        """The layer's output per chunk: the float layer's (the reference), or with the engine's activation
-        quantization (the next layer's input)."""
-        with observing(self.layer, [_ActivationQuant(self.plan)] if quantized else []):
-            return [self._forward(i) for i in range(len(self.pieces))]
 
     def keep(self, members: list[Target], obs: Observations) -> None:
         """A group's observations, for the output SQNR of the members that will be refined."""
@@ -357,8 +382,9 @@ class _Refinement:
         by_name = {r.name: r for r in results}
         for targets in self.stages.values():
             mods = [self._module(t) for t in targets]
+            reference = self.references[getattr(targets[0].stage.config, "reference", "float_layer")]
             problem = LayerProblem(mods, [self.floats[t.name] for t in targets], [by_name[t.name].weight for t in targets],
-                                   targets[0].scheme.weights, self._forward, self.reference, list(range(len(self.pieces))),
+                                   targets[0].scheme.weights, self._forward, reference, list(range(len(self.pieces))),
                                    None if self.job.ranks.world == 1 else (lambda ts: sum_across(ts, self.job.ranks)))
             with _trainable(self.layer), observing(self.layer, [_ActivationQuant(self.plan)]), torch.enable_grad():
                 refined = targets[0].quantizer.refine_layer(problem, targets[0].stage.config, self.job.scale_dtype)
@@ -372,7 +398,7 @@ class _Refinement:
                 m.weight.data = q.weight.to(m.weight.dtype)
                 if self.job.on_weight is not None:
                     self.job.on_weight(t.name, q.weight.detach().cpu().clone())
-        torch.cat(self._outputs(quantized=True), out=out)  # the next input, through the refined layer
+        torch.cat(layer_outputs(self.layer, self.pieces, [_ActivationQuant(self.plan)]), out=out)  # through the refined layer
 
 
 @contextlib.contextmanager
@@ -410,16 +436,29 @@ class _Converting:
 
     def __init__(self, job: Job, work: WorkDir):
         self.job, self.work = job, work
+        self.carry = carries_float_stream(job.plan)
+        self.float_hidden: torch.Tensor | None = None  # the float model's activations, where carried
+
+    def _float_input(self, index: int, inp: LayerInput) -> torch.Tensor:
+        if self.float_hidden is not None:
+            return self.float_hidden
+        if index == 0:  # the float and quantized models' first inputs are the same
+            return inp.hidden
+        return inp.layout.local(self.work.float_hidden(index)).to(inp.hidden.device)  # resumed
 
     def visit(self, index: int, layer: nn.Module, lp: LayerPlan, inp: LayerInput) -> tuple[torch.Tensor | None, str]:
         t0 = time.perf_counter()
+        if self.carry and inp.hidden is not None:
+            inp = dataclasses.replace(inp, float_hidden=self._float_input(index, inp))
         with self.job.timing.measure("layer"):
-            results, hidden = run_layer(layer, lp, self.job, inp)
-            whole = inp.layout.gather(hidden) if inp.layout is not None else None  # rank 0: the whole batch
+            results, hidden, self.float_hidden = run_layer(layer, lp, self.job, inp)
+            gather = (lambda t: inp.layout.gather(t) if inp.layout is not None and t is not None else None)
+            whole, float_whole = gather(hidden), gather(self.float_hidden)  # rank 0: the whole batch
             if self.job.ranks.root:
                 with self.job.timing.measure("save"):
-                    self.work.save_layer(index, results, whole.cpu() if whole is not None else None)
-            del whole
+                    self.work.save_layer(index, results, whole.cpu() if whole is not None else None,
+                                         float_whole.cpu() if float_whole is not None else None)
+            del whole, float_whole
         worst = min((r.stats.get("output_sqnr_db", r.stats["weight_sqnr_db"]) for r in results), default=float("nan"))
         loss = sum(r.stats.get("gptq_loss", 0.0) for r in results)
         log.info("layer %d done in %.2fs: min SQNR %.2f dB%s", index, time.perf_counter() - t0, worst,

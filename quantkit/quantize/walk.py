@@ -125,9 +125,14 @@ class LayerInput:
     hidden: torch.Tensor | None
     kwargs: dict[int, dict] | None
     layout: ChunkLayout | None
+    # the float model's activations at this layer's input (same chunks), where a visitor carries them beside the
+    # quantized model's (autoround's float-model reference); None otherwise
+    float_hidden: torch.Tensor | None = None
 
-    def pieces(self, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
-        return [(h, self.kwargs[h.shape[0]]) for h in self.hidden.split(batch_size)]  # views
+    def pieces(self, batch_size: int, stream: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict]]:
+        """The chunks of `stream` (default: the quantized model's activations) with their keyword arguments."""
+        hidden = self.hidden if stream is None else stream
+        return [(h, self.kwargs[h.shape[0]]) for h in hidden.split(batch_size)]  # views
 
 
 class LayerVisitor(Protocol):

@@ -108,12 +108,18 @@ class WorkDir:
             return 0
         return int(st["next_layer"])
 
-    def save_layer(self, index: int, results: list[ModuleResult], hidden: torch.Tensor | None) -> None:
+    def save_layer(self, index: int, results: list[ModuleResult], hidden: torch.Tensor | None,
+                   float_hidden: torch.Tensor | None = None) -> None:
+        """One layer's results and the next layer's input (and the float model's activations there, where the
+        conversion carries them), then the state moved on: the resume point."""
         save_typed(self.layers / f"{index:05d}.safetensors", results)
         atomic_write_json(self.layers / f"{index:05d}.json", {r.name: r.stats for r in results})
         if hidden is not None:
             tmp = self.root / f".hidden-{index + 1:05d}.tmp"
-            save_file({"hidden": hidden.contiguous()}, str(tmp))
+            both = {"hidden": hidden.contiguous()}
+            if float_hidden is not None:
+                both["float_hidden"] = float_hidden.contiguous()
+            save_file(both, str(tmp))
             tmp.replace(self.root / f"hidden-{index + 1:05d}.safetensors")
         st = self.state()
         st["next_layer"] = index + 1
@@ -123,6 +129,15 @@ class WorkDir:
 
     def hidden(self, index: int) -> torch.Tensor:
         return load_file(str(self.root / f"hidden-{index:05d}.safetensors"))["hidden"]
+
+    def float_hidden(self, index: int) -> torch.Tensor:
+        """The float model's activations at layer `index`'s input, saved beside the quantized model's."""
+        path = self.root / f"hidden-{index:05d}.safetensors"
+        saved = load_file(str(path))
+        if "float_hidden" not in saved:
+            raise ConvertError(f"{path}: this unfinished conversion did not keep the float model's activations; "
+                               "run again with --restart")
+        return saved["float_hidden"]
 
     def layer_files(self, n: int) -> list[Path]:
         return [self.layers / f"{i:05d}.safetensors" for i in range(n)]
