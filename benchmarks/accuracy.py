@@ -123,9 +123,11 @@ def main() -> None:
         if args.llmcompressor:
             from anchor_llmcompressor import run_llmcompressor
 
-            out = Path(td) / "llmcompressor"
-            add({"row": "llmcompressor-gptq", "toolkit": "llm-compressor", "scheme": "W4A16 g64", "dtype": "float32",
-                 **run_llmcompressor(args.llmcompressor, model_dir, ids_file, out, "float32")}, out)
+            for row, scheme, label in (("llmcompressor-gptq", "w4a16", "W4A16 g64"),
+                                       ("llmcompressor-w8a8-smoothquant-gptq", "w8a8", "W8A8")):
+                out = Path(td) / row
+                add({"row": row, "toolkit": "llm-compressor", "scheme": label, "dtype": "float32",
+                     **run_llmcompressor(args.llmcompressor, model_dir, ids_file, out, "float32", scheme)}, out)
         if args.autoround:
             from anchor_autoround import run_autoround
 

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
 
-model_dir, ids_file, out_dir, dtype = sys.argv[1:5]
+model_dir, ids_file, out_dir, dtype, scheme = sys.argv[1:6]
 t0 = time.perf_counter()
 ids = load_file(ids_file)["input_ids"]                                  # [samples, seq_len]
 ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
@@ -40,8 +40,13 @@ model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dty
 tok = AutoTokenizer.from_pretrained(model_dir)
 weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64,
            "actorder": "static"}
-recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
-                      dampening_frac=0.01, block_size=128)
+if scheme == "w8a8":  # its W8A8 example: SmoothQuant (strength 0.8), then GPTQ with the W8A8 preset
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+    recipe = [SmoothQuantModifier(smoothing_strength=0.8),
+              GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"], dampening_frac=0.01, block_size=128)]
+else:
+    recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
+                          dampening_frac=0.01, block_size=128)
 oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
 model.save_pretrained(out_dir, save_compressed=True)
 tok.save_pretrained(out_dir)
@@ -50,12 +55,14 @@ print(json.dumps({"convert_s": round(time.perf_counter() - t0, 1), "peak_rss_mb"
 """
 
 
-def run_llmcompressor(python: str, model_dir: Path, ids_file: Path, out: Path, dtype: str = "float32") -> dict:
-    """llm-compressor's GPTQ (W4A16 g64 sym, static act-order) on the token ids in `ids_file`, in the anchor venv
-    `python`; writes its checkpoint to `out`. Returns its JSON (convert_s, peak_rss_mb) plus wall_s."""
+def run_llmcompressor(python: str, model_dir: Path, ids_file: Path, out: Path, dtype: str = "float32",
+                      scheme: str = "w4a16") -> dict:
+    """llm-compressor's GPTQ (`w4a16`: W4A16 g64 sym, static act-order; `w8a8`: its W8A8 example, SmoothQuant 0.8
+    then GPTQ W8A8) on the token ids in `ids_file`, in the anchor venv `python`; writes its checkpoint to `out`.
+    Returns its JSON (convert_s, peak_rss_mb) plus wall_s."""
     t0 = time.perf_counter()
-    proc = subprocess.run([python, "-c", CHILD, str(model_dir), str(ids_file), str(out), dtype], capture_output=True,
-                          text=True)
+    proc = subprocess.run([python, "-c", CHILD, str(model_dir), str(ids_file), str(out), dtype, scheme],
+                          capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"llm-compressor failed:\n{proc.stderr[-4000:]}")

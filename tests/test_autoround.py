@@ -190,9 +190,9 @@ def test_each_layer_trains_towards_the_float_models_activations(tmp_path, calib_
     ids: list[torch.Tensor] = []
     real_error, real_capture = autoround._layer_error, walk.capture_layer_inputs
 
-    def error(p):  # called twice per layer (the start's error, the result's), with the layer's reference
+    def error(p, *a):  # called twice per layer (the start's error, the result's), with the layer's reference
         seen.append(torch.cat([r.float() for r in p.reference]))
-        return real_error(p)
+        return real_error(p, *a)
 
     def capture(model, arch, ckpt, input_ids, *a):
         ids.append(input_ids)

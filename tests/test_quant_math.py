@@ -134,7 +134,30 @@ def test_output_sqnr_from_hessian_equals_the_direct_one():
     acc.add(X)
     direct = sqnr_db(X @ W.t(), X @ Q.t())
     assert output_sqnr_db(W, Q, acc.H) == pytest.approx(direct, abs=0.01)
+    assert output_sqnr_db(W, Q, acc.H, torch.bfloat16) == pytest.approx(direct, abs=0.05)  # the bf16 products
     assert output_sqnr_db(W, W, acc.H) == float("inf")
+
+
+@pytest.mark.parametrize("actorder", ["none", "static"])
+def test_gptq_factor_is_the_inverse_hessians_cholesky_factor(actorder):
+    """U (in the activation order) is the upper triangular, positive-diagonal factor with U^T U = (H + d I)^-1,
+    checked against float64 inverse and Cholesky; and the sweep's loss is the output error it claims: with W - Q = E U,
+    (W - Q)(H + d I)(W - Q)^T = E E^T, so 2 x the summed loss equals the damped output error exactly."""
+    from quantkit.algorithms.gptq import gptq_factor
+
+    W, X = _weight(), _inputs()
+    H = 2 * X.t() @ X / X.shape[0]
+    f = gptq_factor(H, 0.01, actorder)
+    p = f.perm if f.perm is not None else torch.arange(H.shape[0])
+    Hd = H.double()[p][:, p] + f.damping * torch.eye(H.shape[0], dtype=torch.float64)
+    U = f.U.double()
+    assert torch.equal(torch.triu(f.U), f.U) and bool((torch.diagonal(f.U) > 0).all())
+    want = torch.linalg.cholesky(torch.linalg.inv(Hd), upper=True)  # unique: the float64 reference
+    assert float((U - want).abs().max()) < 1e-4 * float(want.abs().max())  # fp32 here, condition number ~1e3
+    spec = get_scheme("W4A16").with_overrides(group_size=64).weights
+    res = gptq_quantize(W, H, spec, actorder=actorder)
+    D = (W - res.weight).double()[:, p]
+    assert 2 * float(res.loss.double().sum()) == pytest.approx(float(((D @ Hd) * D).sum()), rel=1e-3)
 
 
 def test_gptq_is_deterministic():

@@ -80,6 +80,11 @@ class AutoRoundStage(GPTQStage):
         return self.learn_clip if self.learn_clip is not None else self.init == "rtn"
 
 
+def needs(stage: AutoRoundStage) -> Literal["hessian", "nothing"]:
+    """GPTQ's start needs its Hessian; RTN's start nothing (the output SQNR then comes from sample rows)."""
+    return "hessian" if stage.init == "gptq" else "nothing"
+
+
 def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: AutoRoundStage,
              scale_dtype: torch.dtype) -> list[QuantizedWeight]:
     """The start of the learned rounding, in the group pass: GPTQ's or RTN's result."""
@@ -137,10 +142,16 @@ class LearnedGrid(nn.Module):
     def forward(self) -> torch.Tensor:
         """The dequantized weight [out, in] (fp32), differentiable in V and the range factors."""
         scale, zp = self.qparams()
-        s = scale[:, self.cols]
-        z = zp[:, self.cols] if zp is not None else 0.0
-        q = torch.clamp(_ste_round(self.base / s + self.V) + z, self.spec.qmin, self.spec.qmax)
-        return (q - z) * s
+        out_f, in_f = self.base.shape
+        if self.g_idx is None:  # contiguous groups (or one per channel): broadcast, no [out, in] gather
+            shape = (out_f, scale.shape[1], in_f // scale.shape[1])
+            base, V = self.base.view(shape), self.V.view(shape)
+            s, z = scale.unsqueeze(-1), (zp.unsqueeze(-1) if zp is not None else 0.0)
+        else:
+            base, V = self.base, self.V
+            s, z = scale[:, self.cols], (zp[:, self.cols] if zp is not None else 0.0)
+        q = torch.clamp(_ste_round(base / s + V) + z, self.spec.qmin, self.spec.qmax)
+        return ((q - z) * s).reshape(out_f, in_f)
 
     def range_factors(self) -> list[nn.Parameter]:
         """The learned range factors: the max's, and the min's too with a zero point (symmetric: one)."""
@@ -172,13 +183,18 @@ class LayerProblem:
     reference: list[torch.Tensor]  # the float layer's output per chunk
     chunks: list[int]  # this process's chunk indices, in order
     all_reduce: Callable[[list[torch.Tensor]], None] | None = None  # sums gradients across processes
+    # the start's output per chunk where the caller has it (the group pass computed it): saves a pass
+    start_outputs: list[torch.Tensor] | None = None
+    # set by refine_layer: the output per chunk of what it returns (the start's or the learned weights')
+    outputs: list[torch.Tensor] | None = None
 
 
 def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtype) -> list[QuantizedWeight]:
     """Learn the layer's rounding and ranges; the frozen result, or the start where learning did not lower the
     error over every calibration chunk. Stats per weight: the layer's error before and after, steps, seconds."""
     t0 = time.perf_counter()
-    start_err = _layer_error(p)  # the start as the group pass left it (module weights: the start's)
+    start_out = p.start_outputs if p.start_outputs is not None else _outputs(p)  # module weights: the start's
+    start_err = _layer_error(p, start_out)
     grids = [LearnedGrid(w, q, p.spec, stage.init, scale_dtype).to(w.device) for w, q in zip(p.floats, p.starts)]
     params = [g.V for g in grids] + ([t for g in grids for t in g.range_factors()] if stage.learns_ranges else [])
     with _learned(p.modules, grids):
@@ -186,9 +202,11 @@ def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtyp
         with torch.no_grad():
             for prm, b in zip(params, best):
                 prm.copy_(b)
-        end_err = _layer_error(p)
+        end_out = _outputs(p)
+        end_err = _layer_error(p, end_out)
         learned = [g.frozen({}) for g in grids]
     kept = end_err >= start_err
+    p.outputs = start_out if kept else end_out
     stats = {"autoround_error_start": start_err, "autoround_error": min(start_err, end_err),
              "autoround_steps": stage.steps, "autoround_kept_start": kept,
              "autoround_seconds": round(time.perf_counter() - t0, 3)}
@@ -229,11 +247,16 @@ def _descend(p: LayerProblem, grids: list[LearnedGrid], params: list[nn.Paramete
 
 
 @torch.no_grad()
-def _layer_error(p: LayerProblem) -> float:
-    """Squared error of the layer's output against the float layer's, per element, over every chunk (and process)."""
+def _outputs(p: LayerProblem) -> list[torch.Tensor]:
+    return [p.forward(i) for i in range(len(p.reference))]
+
+
+@torch.no_grad()
+def _layer_error(p: LayerProblem, outputs: list[torch.Tensor]) -> float:
+    """Squared error of the layer's outputs against the reference, per element, over every chunk (and process)."""
     sse, n = torch.zeros(()), torch.zeros(())
-    for i, ref in enumerate(p.reference):
-        sse += (p.forward(i).float() - ref.float()).pow(2).sum().cpu()
+    for y, ref in zip(outputs, p.reference):
+        sse += (y.float() - ref.float()).pow(2).sum().cpu()
         n += ref.numel()
     acc = [sse.reshape(1).double(), n.reshape(1).double()]
     if p.all_reduce is not None:

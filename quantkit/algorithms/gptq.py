@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import Field
 
@@ -119,23 +119,58 @@ class GPTQResult:
     rounded: torch.Tensor | None = None  # [out, in] each column as it was when rounded (error-compensated)
 
 
-def _inverse_cholesky(H: torch.Tensor, frac: float, max_tries: int = 6) -> tuple[torch.Tensor, float]:
-    damp = frac * torch.mean(torch.diag(H)).item()
+def _inverse_cholesky(reversed_h: Callable[[], torch.Tensor], frac: float,
+                      max_tries: int = 6) -> tuple[torch.Tensor, float]:
+    """U, the upper Cholesky factor of (H + damp I)^-1 (U^T U = (H + damp I)^-1), from H with its rows and
+    columns in REVERSED order (`reversed_h()` makes J H J afresh, for each try; the factorisation overwrites it).
+
+    J (H + d I) J = L L^T (lower) gives H + d I = (J L J)(J L J)^T with J L J upper, so its inverse
+    J L^-1 J is U: one Cholesky factorisation and one triangular inverse, 2/3 n^3 flops, where inverting H
+    and factorising the inverse costs 4/3 n^3; on the CPU both run in place in LAPACK (spotrf, strtri), so
+    the work needs no [in, in] buffer beyond H_rev and the result.
+    """
+    damp = None
     for _ in range(max_tries + 1):
-        A = H.clone()
-        A.diagonal().add_(damp)  # H + damp * I, without an [in, in] identity
-        L, info = torch.linalg.cholesky_ex(A)
-        del A
-        if info.item() == 0:
-            Hinv = torch.cholesky_inverse(L)
-            del L
-            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
-            del Hinv
-            if info2.item() == 0 and torch.isfinite(U).all():
-                return U, damp
+        H_rev = reversed_h()
+        if damp is None:
+            damp = frac * torch.mean(torch.diagonal(H_rev)).item()
+        H_rev.diagonal().add_(damp)  # H + damp I, without an [in, in] identity
+        Linv = _lower_cholesky_inverse_(H_rev)
+        del H_rev
+        if Linv is not None and torch.isfinite(Linv).all():
+            return Linv.flip(0, 1), damp  # (a copy: torch has no negative strides)
+        del Linv
         damp *= 10.0
     raise FloatingPointError(f"Cholesky factorisation failed even with dampening {damp:.3g}; the calibration "
                              "inputs of this layer are degenerate (too few tokens?)")
+
+
+def _lower_cholesky_inverse_(A: torch.Tensor) -> torch.Tensor | None:
+    """L^-1 for A = L L^T (lower), in A's own buffer on the CPU; None where A is not positive definite."""
+    if A.device.type != "cpu":
+        L, info = torch.linalg.cholesky_ex(A)
+        if info.item() != 0:
+            return None
+        eye = torch.eye(A.shape[0], device=A.device, dtype=A.dtype)
+        return torch.linalg.solve_triangular(L, eye, upper=False)
+    import numpy as np
+    from scipy.linalg.lapack import spotrf, strtri
+    from threadpoolctl import threadpool_limits
+
+    # the row-major buffer read column-major is A^T = A; its upper factor R (A = R^T R) is, read back
+    # row-major, the lower L = R^T; and R^-1 read back is (R^-1)^T = L^-1. scipy's OpenBLAS keeps to torch's
+    # thread count: with its own default beside torch's pool on 2 loaded cores it ran 10x slower (measured)
+    f = A.numpy().T
+    with threadpool_limits(limits=torch.get_num_threads(), user_api="blas"):
+        c, info = spotrf(f, lower=0, clean=1, overwrite_a=1)
+        if info != 0:
+            return None
+        inv, info = strtri(c, lower=0, overwrite_c=1)
+    if info != 0:
+        return None
+    if not np.shares_memory(inv, f):  # f2py made a copy after all
+        f[...] = inv
+    return A
 
 
 @dataclass
@@ -153,9 +188,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: WeightSpec, block_size
                   dampening_frac: float = 0.01, actorder: str = "static",
                   scale_dtype: torch.dtype = torch.bfloat16, search: ScaleSearch | None = None) -> GPTQResult:
     """GPTQ of one weight [out, in] given its input's Hessian [in, in]."""
-    with _threads(W.device):
-        return gptq_solve(W, gptq_factor(H, dampening_frac, actorder), spec, block_size, actorder, scale_dtype,
-                          search)
+    return gptq_solve(W, gptq_factor(H, dampening_frac, actorder), spec, block_size, actorder, scale_dtype, search)
 
 
 @contextmanager
@@ -177,17 +210,17 @@ def gptq_factor(H: torch.Tensor, dampening_frac: float = 0.01, actorder: str = "
     diag = torch.diag(H).clone()
     dead = diag == 0
     diag[dead] = 1.0
-    perm = None
-    if actorder in ("static", "group"):
-        perm = torch.argsort(diag, descending=True)
-        H = H.index_select(0, perm).index_select(1, perm)  # one [in, in] copy at a time
-        dead_p = dead[perm]
-    else:
-        H = H.clone()
-        dead_p = dead
-    H[dead_p, dead_p] = 1.0
-    U, damp = _inverse_cholesky(H, dampening_frac)
-    del H
+    perm = torch.argsort(diag, descending=True) if actorder in ("static", "group") else None
+    order = perm if perm is not None else torch.arange(H.shape[0], device=H.device)
+    rev = order.flip(0)  # the factorisation wants the (permuted) order reversed
+    dead_rev = dead[rev]
+
+    def reversed_h() -> torch.Tensor:
+        H_rev = H.index_select(0, rev).index_select(1, rev)  # one [in, in] copy at a time
+        H_rev[dead_rev, dead_rev] = 1.0
+        return H_rev
+
+    U, damp = _inverse_cholesky(reversed_h, dampening_frac)
     return Factor(U, perm, dead, damp, diag)
 
 
@@ -267,45 +300,61 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
     """The GPTQ sweep over (permuted) columns, in blocks of `block_size`; updates W, Q, losses in place.
 
     Inside a block the weights are held transposed ([b, out]) so that every column the sweep touches
-    is one contiguous row: about 2x faster on the CPU than strided column access.
+    is one contiguous row: about 2x faster on the CPU than strided column access. The block's column by
+    column work runs in one thread (thousands of tiny vector ops: OpenMP's synchronisation costs more than a
+    second thread gives), the update of the columns after it (a GEMM) in all.
     """
-    W, U, Q, losses, spec, g = s.W, s.U, s.Q, s.losses, s.spec, s.g
-    scale_cols, zp_cols, group_scale, group_zp, qp_static = s.scale_cols, s.zp_cols, s.group_scale, s.group_zp, s.qp_static
-    scale_dtype, global_scale = s.scale_dtype, s.global_scale
-    cw = s.search.column_weight if s.search is not None else None
+    W, U = s.W, s.U
     in_f = W.shape[1]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].t().contiguous()  # [b, out]
-        Q1 = torch.empty_like(W1)  # [b, out]
-        E1 = torch.empty_like(W1)  # [b, out]
-        U1 = U[i1:i2, i1:i2]  # [b, b]
-        S1 = scale_cols[:, i1:i2].t().contiguous()  # [b, out]
-        Z1 = zp_cols[:, i1:i2].t().contiguous() if zp_cols is not None else None
-        for i in range(i2 - i1):
-            col = i1 + i
-            if qp_static is None and col % g == 0:
-                # group actorder: this group's scale from its (already updated) permuted columns
-                block = torch.cat([W1[i:].t(), W[:, i2:col + g]], dim=1)[:, :g]  # [out, g]
-                search = None if s.search is None else ScaleSearch(
-                    s.search.ratios, cw[col:col + g] if cw is not None else None)
-                qp = compute_qparams(block, _as_channel(spec), scale_dtype, global_scale=global_scale, search=search)
-                n_in_block = min(g, i2 - col)
-                S1[i:i + n_in_block] = qp.scale[:, 0]
-                scale_cols[:, col:col + g] = qp.scale
-                group_scale[:, col // g] = qp.scale[:, 0]
-                if zp_cols is not None:
-                    Z1[i:i + n_in_block] = qp.zero_point[:, 0]
-                    zp_cols[:, col:col + g] = qp.zero_point
-                    group_zp[:, col // g] = qp.zero_point[:, 0]
-            w, q, err = W1[i], Q1[i], E1[i]  # [out] each; q and err are written in place
-            _fake_quantize_into(q, w, S1[i], Z1[i] if Z1 is not None else None, spec)
-            torch.sub(w, q, out=err).div_(U1[i, i])
-            W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)  # [b - i - 1, out] -= U1[i, i+1:] (x) err
-        Q[:, i1:i2] = Q1.t()
-        W[:, i1:i2] = W1.t()  # each column as it was rounded (nothing updates a column after its turn)
-        losses += E1.pow(2).sum(0) / 2
-        W[:, i2:] -= E1.t() @ U[i1:i2, i2:]  # [out, b] @ [b, in - i2]
+        b = _Block(W[:, i1:i2].t().contiguous(), U[i1:i2, i1:i2], s.scale_cols[:, i1:i2].t().contiguous(),
+                   s.zp_cols[:, i1:i2].t().contiguous() if s.zp_cols is not None else None)
+        with _threads(W.device):
+            _block_sweep(s, i1, i2, b)
+        s.Q[:, i1:i2] = b.Q.t()
+        W[:, i1:i2] = b.W.t()  # each column as it was rounded (nothing updates a column after its turn)
+        s.losses += b.E.pow(2).sum(0) / 2
+        W[:, i2:] -= b.E.t() @ U[i1:i2, i2:]  # [out, b] @ [b, in - i2]
+
+
+class _Block:
+    """One block of the sweep, transposed ([b, out]): the weights, their results and errors, the block's
+    factor, scales and zero points per column."""
+
+    def __init__(self, W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, Z: torch.Tensor | None):
+        self.W, self.U, self.S, self.Z = W, U, S, Z
+        self.Q, self.E = torch.empty_like(W), torch.empty_like(W)
+
+
+def _block_sweep(s: _Sweep, i1: int, i2: int, b: _Block) -> None:
+    """The columns i1..i2, one at a time: round, then spread the error over the block's later columns."""
+    spec, g = s.spec, s.g
+    for i in range(i2 - i1):
+        col = i1 + i
+        if s.qp_static is None and col % g == 0:
+            _choose_group(s, b, i, col, i2)
+        w, q, err = b.W[i], b.Q[i], b.E[i]  # [out] each; q and err are written in place
+        _fake_quantize_into(q, w, b.S[i], b.Z[i] if b.Z is not None else None, spec)
+        torch.sub(w, q, out=err).div_(b.U[i, i])
+        b.W[i + 1:].addr_(b.U[i, i + 1:], err, alpha=-1)  # [b - i - 1, out] -= U1[i, i+1:] (x) err
+
+
+def _choose_group(s: _Sweep, b: _Block, i: int, col: int, i2: int) -> None:
+    """Group act-order: the scale of the group starting at (permuted) column `col`, from its columns as the
+    sweep has updated them so far."""
+    g, cw = s.g, s.search.column_weight if s.search is not None else None
+    block = torch.cat([b.W[i:].t(), s.W[:, i2:col + g]], dim=1)[:, :g]  # [out, g]
+    search = None if s.search is None else ScaleSearch(s.search.ratios, cw[col:col + g] if cw is not None else None)
+    qp = compute_qparams(block, _as_channel(s.spec), s.scale_dtype, global_scale=s.global_scale, search=search)
+    n_in_block = min(g, i2 - col)
+    b.S[i:i + n_in_block] = qp.scale[:, 0]
+    s.scale_cols[:, col:col + g] = qp.scale
+    s.group_scale[:, col // g] = qp.scale[:, 0]
+    if s.zp_cols is not None:
+        b.Z[i:i + n_in_block] = qp.zero_point[:, 0]
+        s.zp_cols[:, col:col + g] = qp.zero_point
+        s.group_zp[:, col // g] = qp.zero_point[:, 0]
 
 
 def _fake_quantize_into(q: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -361,7 +410,7 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
     """The group's weights share an input: one factorisation of its Hessian, then one sweep per weight
     (each weight's result is the same whichever others share the call, which lets ranks split a group)."""
     out = []
-    with _threads(weights[0].device if weights else torch.device("cpu")):
+    if weights:
         f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder)
         for w in weights:
             res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype, stage.scale_search())

@@ -44,9 +44,15 @@ class QuantizerMethod(Method):
     role: ClassVar[str] = "quantizer"
     quantize: Callable  # (weights, Observations, WeightSpec, stage, scale_dtype) -> list[QuantizedWeight]
     needs: Literal["hessian", "nothing"]
+    # what one stage's configuration needs, where it depends on it (autoround from RTN: no Hessian)
+    needs_of: Callable[[object], Literal["hessian", "nothing"]] | None = None
     # a second pass over the whole decoder layer after its groups are quantized: (LayerProblem, stage,
     # scale_dtype) -> [QuantizedWeight] (autoround's learned rounding, against the float layer's output)
     refine_layer: Callable | None = None
+
+    def needs_for(self, stage) -> Literal["hessian", "nothing"]:
+        """What this stage (its configuration) needs from the calibration inputs."""
+        return self.needs_of(stage) if self.needs_of is not None else self.needs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +100,7 @@ def method_of(stage) -> Method:
 register(QuantizerMethod(name="rtn", stage=rtn.RTNStage, quantize=rtn.quantize, needs="nothing"))
 register(QuantizerMethod(name="gptq", stage=gptq.GPTQStage, quantize=gptq.quantize, needs="hessian"))
 register(QuantizerMethod(name="autoround", stage=autoround.AutoRoundStage, quantize=autoround.quantize, needs="hessian",
+                         needs_of=autoround.needs,
                          refine_layer=autoround.refine_layer,
                          moe_refusal="autoround does not refine mixture-of-experts layers yet; use gptq"))
 register(RotationMethod(name="rotate", stage=rotate.RotateStage, view=RotatedCheckpoint,

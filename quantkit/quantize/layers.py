@@ -58,6 +58,12 @@ class Job:
     ranks: Ranks = SINGLE
     timing: PhaseTimes = field(default_factory=PhaseTimes)  # seconds per phase (quantkit/quantize/timing.py)
 
+    @property
+    def diagnostics_dtype(self) -> torch.dtype:
+        """The output-SQNR products' dtype: bf16 where the calibration computes in it (it is native there; fp16's
+        range is too small for a Hessian), else fp32."""
+        return torch.bfloat16 if self.compute == torch.bfloat16 else torch.float32
+
 
 # ------------------------------------------------------------------------------------------ layer work
 class GroupInputs:
@@ -118,23 +124,32 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
     for si, targets in by_stage.items():
         method = fallback or targets[0].quantizer
         mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
-        if method.needs == "hessian" and obs.hessian is None:
+        if method.needs_for(targets[0].stage.config) == "hessian" and obs.hessian is None:
             raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
         pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, targets[0].stage.config, job)
         for t, m, q, sec in zip(targets, mods, pieces, seconds):
             w = m.weight.detach().float()
             with job.timing.measure("diagnostics"):
                 stats = weight_stats(si, method.name, t.scheme.name, w, q, sec)
-                if obs.hessian is not None:  # exact over every calibration token
-                    stats["output_sqnr_db"] = round(output_sqnr_db(w, q.weight, obs.hessian), 3)
-                elif obs.sample is not None:
-                    xs = obs.sample
-                    stats["output_sqnr_db"] = round(sqnr_db(xs @ w.t(), xs @ q.weight.t()), 3)
+                out_sqnr = output_sqnr(w, q.weight, obs, job)
+                if out_sqnr is not None:
+                    stats["output_sqnr_db"] = out_sqnr
             m.weight.data = q.weight.to(m.weight.dtype)
             if job.on_weight is not None:
                 job.on_weight(t.name, q.weight.detach().cpu().clone())
             out.append(ModuleResult(t.name, stats, q, t.scheme.weights))
     return out
+
+
+def output_sqnr(w: torch.Tensor, deq: torch.Tensor, obs: Observations, job: Job) -> float | None:
+    """A quantized Linear's output SQNR (dB, rounded): from the Hessian, exact over every calibration token, or
+    from the sample rows (the first SQNR_TOKENS) where there is no Hessian; None with neither."""
+    if obs.hessian is not None:
+        return round(output_sqnr_db(w, deq, obs.hessian, job.diagnostics_dtype), 3)
+    if obs.sample is not None:
+        xs = obs.sample
+        return round(sqnr_db(xs @ w.t(), xs @ deq.t()), 3)
+    return None
 
 
 def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: Job):
@@ -220,7 +235,7 @@ class GroupInputHooks:
 
     def __init__(self, plan: LayerPlan, layout: ChunkLayout, timing: PhaseTimes | None = None):
         self.plan, self.timing = plan, timing or PhaseTimes()
-        self.inputs = [GroupInputs(any(t.quantizer.needs == "hessian" for t in members), layout)
+        self.inputs = [GroupInputs(any(t.quantizer.needs_for(t.stage.config) == "hessian" for t in members), layout)
                        for members in plan.groups]
         self.handles: list = []
 
@@ -346,7 +361,7 @@ class _Refinement:
                  stages: dict[int, list[Target]], model_reference: list[torch.Tensor] | None):
         self.layer, self.plan, self.job, self.pieces, self.stages = layer, plan, job, pieces, stages
         self.floats = {t.name: self._module(t).weight.detach().float().clone() for ts in stages.values() for t in ts}
-        self.hessians: dict[str, torch.Tensor] = {}  # each refined module's input Hessian, for its output SQNR
+        self.inputs: dict[str, Observations] = {}  # each refined module's Hessian or sample rows, for its output SQNR
         wanted = {getattr(ts[0].stage.config, "reference", "float_layer") for ts in stages.values()}
         if "float_model" in wanted and model_reference is None:
             raise ConvertError(f"{plan.prefix}: the float model's activations were not carried to this layer")
@@ -372,20 +387,22 @@ class _Refinement:
     def keep(self, members: list[Target], obs: Observations) -> None:
         """A group's observations, for the output SQNR of the members that will be refined."""
         for t in members:
-            if t.name in self.floats and obs.hessian is not None:
-                self.hessians[t.name] = obs.hessian
+            if t.name in self.floats:
+                self.inputs[t.name] = Observations(hessian=obs.hessian, sample=obs.sample)
 
     def run(self, results: list[ModuleResult], out: torch.Tensor) -> None:
         from quantkit.algorithms.autoround import LayerProblem
         from quantkit.distributed import sum_across
 
         by_name = {r.name: r for r in results}
+        bs = self.pieces[0][0].shape[0]
         for targets in self.stages.values():
             mods = [self._module(t) for t in targets]
             reference = self.references[getattr(targets[0].stage.config, "reference", "float_layer")]
             problem = LayerProblem(mods, [self.floats[t.name] for t in targets], [by_name[t.name].weight for t in targets],
                                    targets[0].scheme.weights, self._forward, reference, list(range(len(self.pieces))),
-                                   None if self.job.ranks.world == 1 else (lambda ts: sum_across(ts, self.job.ranks)))
+                                   None if self.job.ranks.world == 1 else (lambda ts: sum_across(ts, self.job.ranks)),
+                                   start_outputs=list(out.split(bs)))  # the group pass's (or the stage before's)
             with _trainable(self.layer), observing(self.layer, [_ActivationQuant(self.plan)]), torch.enable_grad():
                 refined = targets[0].quantizer.refine_layer(problem, targets[0].stage.config, self.job.scale_dtype)
             for t, m, q in zip(targets, mods, refined):
@@ -393,12 +410,14 @@ class _Refinement:
                 r.weight = q
                 r.stats.update({k: v for k, v in q.stats.items() if k.startswith("autoround_")})
                 r.stats["weight_sqnr_db"] = round(sqnr_db(self.floats[t.name], q.weight), 3)
-                if t.name in self.hessians:
-                    r.stats["output_sqnr_db"] = round(output_sqnr_db(self.floats[t.name], q.weight, self.hessians[t.name]), 3)
+                out_sqnr = output_sqnr(self.floats[t.name], q.weight, self.inputs[t.name], self.job)
+                if out_sqnr is not None:
+                    r.stats["output_sqnr_db"] = out_sqnr
                 m.weight.data = q.weight.to(m.weight.dtype)
                 if self.job.on_weight is not None:
                     self.job.on_weight(t.name, q.weight.detach().cpu().clone())
-        torch.cat(layer_outputs(self.layer, self.pieces, [_ActivationQuant(self.plan)]), out=out)  # through the refined layer
+            if problem.outputs is not problem.start_outputs:  # the next input: through the refined layer
+                torch.cat(problem.outputs, out=out)
 
 
 @contextlib.contextmanager
