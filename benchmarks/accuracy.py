@@ -50,6 +50,8 @@ def _rows(steps: int) -> dict[str, list[str]]:
         "rotate-gptq-mse": [ROT, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
         "rotate-awq-gptq-mse": [ROT, AWQ, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
         "rotate-autoround-gptq-mse": [ROT, f"{{{ar}, init: gptq, actorder: static, observer: mse}}"],
+        "rotate-autoround-rtn": [ROT, f"{{{ar}, init: rtn}}"],
+        "autoround-rtn-layer": [f"{{{ar}, init: rtn, reference: float_layer}}"],  # the float layer's output as target
         # W8A8 (int8 channels, dynamic per-token int8 activations)
         "w8a8-rtn": ["{method: rtn, scheme: W8A8}"],
         "w8a8-gptq": ["{method: gptq, scheme: W8A8}"],
