@@ -14,11 +14,12 @@ conversion comes to it. Prints one JSON document (and writes it to --json-out wh
    - forward: 2 T x (the layer's Linear parameters) + attention's two products at their causal half,
      2 T S h (the calibration forward runs once per layer for GPTQ and RTN);
    - hessian: T in^2 per sequential group that a GPTQ stage owns (the symmetric X^T X: syrk's useful work);
-   - solve (GPTQ): per weight 4/3 in^3 (Cholesky, inverse, Cholesky of the inverse) + out in^2 (the error
-     feedback, column by column and block by block);
+   - solve (GPTQ): per sequential group (its members share one input, so one factor) 2/3 in^3 (a Cholesky
+     factorisation and a triangular inverse), plus per weight out in^2 (the error feedback, column by column
+     and block by block);
    - diagnostics: 4 out in^2 per weight (the output SQNR from the Hessian: W H and (W-Q) H).
    `achieved` is FLOPs / seconds, `of_peak` that over the peak of the dtype the phase computes in (the
-   compute dtype for the forward; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
+   compute dtype for the forward, and for the diagnostics' products where it is bf16; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
    peak; `layers_over_ideal` the measured layer time over it. Phases not modelled (load, save, capture,
    transforms, refine) have their seconds and no FLOPs.
 4. Memory: the conversion's peak RSS against its bound, part by part (scale.py's `bound_parts_mb`: the imports,
@@ -74,7 +75,7 @@ def layer_flops(shape: str, method: str, tokens: int, seq_len: int) -> dict[str,
     if method == "gptq":
         group_in = {g: i for _, _, i, g in lin}
         out["hessian"] = float(sum(tokens * i * i for i in group_in.values()))
-        out["solve"] = float(sum(4 / 3 * i ** 3 + o * i * i for _, o, i, _ in lin))
+        out["solve"] = float(sum(2 / 3 * i ** 3 for i in group_in.values()) + sum(o * i * i for _, o, i, _ in lin))
     return out
 
 
@@ -87,7 +88,8 @@ def roofline(phases: dict, flops_per_layer: dict, layers: int, peaks: dict, comp
         flops = flops_per_layer.get(phase, 0.0) * layers
         row = {"seconds": seconds}
         if flops:
-            peak = peaks[compute if phase == "forward" else "float32"]
+            in_compute = phase == "forward" or (phase == "diagnostics" and compute == "bfloat16")
+            peak = peaks[compute if in_compute else "float32"]
             row.update(gflop=round(flops / 1e9, 1), achieved_gflops=round(flops / max(seconds, 1e-9) / 1e9, 1),
                        of_peak=round(flops / max(seconds, 1e-9) / 1e9 / peak, 3), ideal_s=round(flops / peak / 1e9, 2))
             ideal += flops / peak / 1e9

@@ -121,13 +121,13 @@ class GPTQResult:
 
 def _inverse_cholesky(reversed_h: Callable[[], torch.Tensor], frac: float,
                       max_tries: int = 6) -> tuple[torch.Tensor, float]:
-    """U, the upper Cholesky factor of (H + damp I)^-1 (U^T U = (H + damp I)^-1), from H with its rows and
-    columns in REVERSED order (`reversed_h()` makes J H J afresh, for each try; the factorisation overwrites it).
+    """L^-1 of J (H + damp I) J = L L^T, from H with its rows and columns in REVERSED order (`reversed_h()`
+    makes J H J afresh for each try; the factorisation overwrites it): the upper Cholesky factor U of
+    (H + damp I)^-1 (U^T U = (H + damp I)^-1) is J L^-1 J, which `Factor` reads without making it.
 
-    J (H + d I) J = L L^T (lower) gives H + d I = (J L J)(J L J)^T with J L J upper, so its inverse
-    J L^-1 J is U: one Cholesky factorisation and one triangular inverse, 2/3 n^3 flops, where inverting H
-    and factorising the inverse costs 4/3 n^3; on the CPU both run in place in LAPACK (spotrf, strtri), so
-    the work needs no [in, in] buffer beyond H_rev and the result.
+    J (H + d I) J = L L^T gives H + d I = (J L J)(J L J)^T with J L J upper, so its inverse J L^-1 J is U:
+    one Cholesky factorisation and one triangular inverse, 2/3 n^3 flops, where inverting H and factorising
+    the inverse costs 4/3 n^3; on the CPU both run in place in LAPACK (spotrf, strtri): one [in, in] buffer.
     """
     damp = None
     for _ in range(max_tries + 1):
@@ -137,8 +137,8 @@ def _inverse_cholesky(reversed_h: Callable[[], torch.Tensor], frac: float,
         H_rev.diagonal().add_(damp)  # H + damp I, without an [in, in] identity
         Linv = _lower_cholesky_inverse_(H_rev)
         del H_rev
-        if Linv is not None and torch.isfinite(Linv).all():
-            return Linv.flip(0, 1), damp  # (a copy: torch has no negative strides)
+        if Linv is not None and torch.isfinite(Linv.sum()):  # (a NaN or inf anywhere makes the sum one)
+            return Linv, damp
         del Linv
         damp *= 10.0
     raise FloatingPointError(f"Cholesky factorisation failed even with dampening {damp:.3g}; the calibration "
@@ -177,11 +177,24 @@ def _lower_cholesky_inverse_(A: torch.Tensor) -> torch.Tensor | None:
 class Factor:
     """What GPTQ derives from a Hessian alone, shared by every weight that reads the same input."""
 
-    U: torch.Tensor  # [in, in] upper Cholesky factor of (H + damp)^-1, in the (permuted) column order
+    # [in, in] J U J: the upper Cholesky factor U of (H + damp)^-1 (in the permuted column order) with its rows
+    # and columns reversed, as the factorisation leaves it; `rows` reads U from it a block at a time
+    U_rev: torch.Tensor
     perm: torch.Tensor | None  # [in] the activation order (None: columns in order)
     dead: torch.Tensor  # [in] bool, columns whose input is always zero (original order)
     damping: float
     diag: torch.Tensor | None = None  # [in] diag(H) in the original order (the MSE scale search's column weights)
+
+    def rows(self, i1: int, i2: int) -> torch.Tensor:
+        """U[i1:i2, i1:] ([b, in - i1], a copy): the block's rows of the factor from its diagonal on (the rest
+        of an upper triangular factor's rows is zero)."""
+        n = self.U_rev.shape[0]
+        return self.U_rev[n - i2:n - i1, :n - i1].flip(0, 1)
+
+    @property
+    def U(self) -> torch.Tensor:
+        """The whole factor (a copy, [in, in]: for checks; the sweep reads it by `rows`)."""
+        return self.rows(0, self.U_rev.shape[0])
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: WeightSpec, block_size: int = 128,
@@ -215,8 +228,10 @@ def gptq_factor(H: torch.Tensor, dampening_frac: float = 0.01, actorder: str = "
     rev = order.flip(0)  # the factorisation wants the (permuted) order reversed
     dead_rev = dead[rev]
 
-    def reversed_h() -> torch.Tensor:
-        H_rev = H.index_select(0, rev).index_select(1, rev)  # one [in, in] copy at a time
+    def reversed_h() -> torch.Tensor:  # one [in, in] buffer, filled a slab of rows at a time
+        H_rev = torch.empty_like(H)
+        for r0 in range(0, H.shape[0], 1024):
+            H_rev[r0:r0 + 1024] = H.index_select(0, rev[r0:r0 + 1024]).index_select(1, rev)
         H_rev[dead_rev, dead_rev] = 1.0
         return H_rev
 
@@ -244,8 +259,6 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     perm = f.perm
     if perm is not None:
         W = W[:, perm]
-    U = f.U
-
     Q = torch.zeros_like(W)
     losses = torch.zeros(out_f, dtype=torch.float32, device=W.device)
     n_groups = in_f // g
@@ -261,7 +274,7 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
 
     if search is not None and search.column_weight is not None and perm is not None:
         search = ScaleSearch(search.ratios, search.column_weight[perm])  # group act-order works in permuted order
-    _column_loop(_Sweep(W, U, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, scale_dtype,
+    _column_loop(_Sweep(W, f, Q, losses, scale_cols, zp_cols, group_scale, group_zp, qp_static, spec, g, scale_dtype,
                         gscale, search), block_size)
 
     g_idx = None
@@ -281,7 +294,7 @@ class _Sweep:
     """One GPTQ column sweep over (permuted) columns: the tensors it updates in place and what it quantizes to."""
 
     W: torch.Tensor  # [out, in] the weight, updated as the error of each quantized column is spread
-    U: torch.Tensor  # [in, in] the upper Cholesky factor of the inverse Hessian
+    factor: Factor  # the upper Cholesky factor of the inverse Hessian, read a block of rows at a time
     Q: torch.Tensor  # [out, in] the dequantized result
     losses: torch.Tensor  # [out]
     scale_cols: torch.Tensor  # [out, in] the scale of each column
@@ -304,18 +317,19 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
     column work runs in one thread (thousands of tiny vector ops: OpenMP's synchronisation costs more than a
     second thread gives), the update of the columns after it (a GEMM) in all.
     """
-    W, U = s.W, s.U
+    W = s.W
     in_f = W.shape[1]
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
-        b = _Block(W[:, i1:i2].t().contiguous(), U[i1:i2, i1:i2], s.scale_cols[:, i1:i2].t().contiguous(),
+        U_rows = s.factor.rows(i1, i2)  # U[i1:i2, i1:]
+        b = _Block(W[:, i1:i2].t().contiguous(), U_rows[:, :i2 - i1], s.scale_cols[:, i1:i2].t().contiguous(),
                    s.zp_cols[:, i1:i2].t().contiguous() if s.zp_cols is not None else None)
         with _threads(W.device):
             _block_sweep(s, i1, i2, b)
         s.Q[:, i1:i2] = b.Q.t()
         W[:, i1:i2] = b.W.t()  # each column as it was rounded (nothing updates a column after its turn)
         s.losses += b.E.pow(2).sum(0) / 2
-        W[:, i2:] -= b.E.t() @ U[i1:i2, i2:]  # [out, b] @ [b, in - i2]
+        W[:, i2:] -= b.E.t() @ U_rows[:, i2 - i1:]  # [out, b] @ [b, in - i2]
 
 
 class _Block:
