@@ -87,6 +87,9 @@ def main() -> None:
                                                  "that row's calibration forward in bfloat16 (default float32)")
     ap.add_argument("--llmcompressor", help="python of a venv with llm-compressor (its GPTQ row)")
     ap.add_argument("--autoround", help="python of a venv with intel auto-round (its row, at --steps)")
+    ap.add_argument("--autoround-dtype", choices=["float32"], default=None,
+                    help="float32: intel's row without its bf16 mixed precision (for float32 rows where bf16 is not "
+                         "native); default: its own")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -135,7 +138,8 @@ def main() -> None:
 
             out = Path(td) / "intel-autoround"
             ran = run_autoround(args.autoround, model_dir, calib.input_ids, out, iters=args.steps,
-                                nsamples=args.samples, seqlen=512, batch_size=args.batch)
+                                nsamples=args.samples, seqlen=512, batch_size=args.batch,
+                                dtype=args.autoround_dtype)
             add({"row": "intel-autoround", "toolkit": "auto-round", "scheme": "W4A16 g64", **ran}, out)
     result["rows"].sort(key=lambda r: r["perplexity"])
     text = json.dumps(result, indent=2)

@@ -46,6 +46,8 @@ t0 = time.perf_counter()
 ids = load_file(ids_file)["input_ids"]                                  # [samples, seq_len], our exact tokens
 data = [{"input_ids": row[None], "attention_mask": torch.ones_like(row[None])} for row in ids]
 kw = {"lr": cfg["lr"]} if cfg["lr"] is not None else {}
+if cfg.get("dtype") == "float32":                                      # no mixed precision: fp32 throughout
+    kw.update(amp=False, model_dtype="float32")
 if cfg["layers"] is not None:                                           # only the first N decoder layers
     kw["to_quant_block_names"] = [[f"model.layers.{i}" for i in range(cfg["layers"])]]
 ar = AutoRound(model_dir, scheme="W4A16", bits=cfg["bits"], group_size=cfg["group_size"], sym=cfg["sym"],
@@ -87,17 +89,19 @@ def _block_times(log: str) -> tuple[list[int], list[int]]:
 
 def run_autoround(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path, iters: int, nsamples: int,
                   seqlen: int, group_size: int = 64, bits: int = 4, sym: bool = True, lr: float | None = None,
-                  layers: int | None = None, batch_size: int = 8) -> dict:
+                  layers: int | None = None, batch_size: int = 8, dtype: str | None = None) -> dict:
     """Quantize `model_dir` with auto-round (in the venv of `python`) on the first `nsamples` x `seqlen` of `ids`
     ([samples, seq_len] int64), writing a fake-quantized transformers checkpoint to `out_dir`. Returns what was run,
-    the parent's wall time, the child's convert time and peak RSS, and the per-layer tuning time from its log."""
+    the parent's wall time, the child's convert time and peak RSS, and the per-layer tuning time from its log.
+    `dtype`: None runs auto-round's default (bf16 autocast on the CPU, native or emulated); "float32" turns its
+    mixed precision off (`amp=False, model_dtype="float32"`), to compare with a float32 row at the same dtype."""
     from safetensors.torch import save_file
 
     if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] < nsamples or ids.shape[1] < seqlen:
         raise ValueError(f"need int64 ids of at least [{nsamples}, {seqlen}], got {ids.dtype} {list(ids.shape)}")
     ids = ids[:nsamples, :seqlen].contiguous()      # auto-round skips shorter samples and does not cut longer ones
     cfg = {"iters": iters, "group_size": group_size, "bits": bits, "sym": sym, "lr": lr, "layers": layers,
-           "batch_size": batch_size}
+           "batch_size": batch_size, "dtype": dtype}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qk-autoround-") as td:
@@ -118,7 +122,8 @@ def run_autoround(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path
     blocks = len(best_iter)
     return {"anchor": "auto-round", "run": f"AutoRound(scheme=W4A16, bits={bits}, group_size={group_size}, sym={sym}, "
                                            f"iters={iters}, lr={lr or '1/iters'}, batch_size={batch_size}, "
-                                           f"device_map=cpu).quantize()", **cfg, "nsamples": nsamples,
+                                           + ("amp=False, model_dtype=float32, " if dtype == "float32" else "")
+                                           + "device_map=cpu).quantize()", **cfg, "nsamples": nsamples,
             "seqlen": seqlen, "wall_s": round(wall, 1), **child, "tuning_s": tuning_s, "blocks_tuned": blocks,
             "per_layer_s": round(tuning_s / blocks, 2) if tuning_s and blocks else None,  # mean, 1st block too
             "block_s": block_s, "best_iter": best_iter,   # per block, from log timestamps (1 s); best SignRound step
@@ -134,6 +139,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: auto-round's 1/iters")
     ap.add_argument("--layers", type=int, default=None, help="quantize only the first N decoder layers")
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--dtype", choices=["float32"], default=None,
+                    help="float32: auto-round without mixed precision (default: its own, bf16 on the CPU)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the fake-quantized checkpoint in this folder")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -154,7 +161,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="qk-anchor-") as td:
         out = args.keep or Path(td) / "autoround"
         res = run_autoround(args.python, model_dir, calib.input_ids, out, iters=args.iters, nsamples=args.samples,
-                            seqlen=args.seq_len, lr=args.lr, layers=args.layers, batch_size=args.batch_size)
+                            seqlen=args.seq_len, lr=args.lr, layers=args.layers, batch_size=args.batch_size, dtype=args.dtype)
         result = {"hardware": hardware(), "calibration_fingerprint": calib.fingerprint[:16], **res,
                   "perplexity": perplexity(out)}
     print(json.dumps(result, indent=2))
