@@ -235,8 +235,8 @@ def gptq_factor(H: torch.Tensor, dampening_frac: float = 0.01, actorder: str = "
         H_rev[dead_rev, dead_rev] = 1.0
         return H_rev
 
-    U, damp = _inverse_cholesky(reversed_h, dampening_frac)
-    return Factor(U, perm, dead, damp, diag)
+    U_rev, damp = _inverse_cholesky(reversed_h, dampening_frac)
+    return Factor(U_rev, perm, dead, damp, diag)
 
 
 def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 128, actorder: str = "static",
