@@ -34,7 +34,7 @@ SIMVENV=.device-sim-venv
 # what quantkit imports beyond the device image, pinned (pydantic-core must be the one pydantic names)
 PURE="pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
       compressed-tensors==0.17.0 loguru==0.7.3 typer==0.29.2 click==8.5.1 rich==15.0.0 shellingham==1.5.4
-      annotated-doc==0.0.7 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0"
+      annotated-doc==0.0.7 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 threadpoolctl==3.8.0"
 BINARY="pydantic-core==2.50.5 greenlet==3.5.6"
 PYVERSIONS="3.10 3.11 3.12 3.13"
 IMAGE="torch==2.13.0 transformers==5.17.* safetensors scipy accelerate"  # the simulated image's Python side
@@ -97,6 +97,8 @@ import platform, sys
 try:  # what the conversion imports must be there now, not after a checkpoint is written
     import torch, transformers, compressed_tensors, pydantic, greenlet  # noqa: E401
     import quantkit.cli, quantkit.convert  # noqa: E401
+    # what the layer walk imports only when it reaches a Hessian or its factor (GPTQ on the CPU path)
+    import numpy, psutil, scipy.linalg.blas, scipy.linalg.lapack, threadpoolctl  # noqa: E401
 except ImportError as exc:
     print(f"device check: {exc}; the image lacks a package that no carried wheel provides", file=sys.stderr)
     sys.exit(2)

@@ -184,3 +184,56 @@ def test_simulate_with_a_tiny_budget_skips_every_step_and_says_so():
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert [ln["status"] for ln in lines[:-1]] == ["skipped"] * 3
     assert lines[-1]["summary"] and lines[-1]["finished"] == [] and len(lines[-1]["skipped"]) == 3
+
+
+def _shell_list(script: str, name: str) -> list[str]:
+    import re
+    m = re.search(rf'^{name}="([^"]*)"', script, re.M)
+    assert m, f"{name}=... not found in benchmarks/device_check.sh"
+    return [re.split(r"[=<>\[ ]", spec, maxsplit=1)[0].lower().replace("_", "-") for spec in m.group(1).split()]
+
+
+def _requirement_closure(roots: list[str]) -> set[str]:
+    """The distributions `pip install roots` brings in, read from this venv's metadata (extras left out)."""
+    import importlib.metadata as md
+    import re
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r]
+    return seen
+
+
+def test_every_package_the_conversion_numerics_import_reaches_the_device():
+    """The GPU check's image plus the wheels it carries must hold every third-party package that the methods,
+    the layer walk and the export import, lazily or not: a scipy/threadpoolctl import reached only inside the
+    GPTQ factor once failed the simulated check after its import probe had passed."""
+    import ast
+    import importlib.metadata as md
+    script = (REPO / "benchmarks" / "device_check.sh").read_text()
+    image = _requirement_closure(_shell_list(script, "IMAGE")) - set(_shell_list(script, "NOT_IN_IMAGE"))
+    there = image | set(_shell_list(script, "PURE")) | set(_shell_list(script, "BINARY"))
+    dists = {mod: {d.lower().replace("_", "-") for d in ds} for mod, ds in md.packages_distributions().items()}
+    files = [*sorted((REPO / "quantkit" / "algorithms").glob("*.py")), *sorted((REPO / "quantkit" / "export").glob("*.py")),
+             REPO / "quantkit" / "quantize" / "walk.py", REPO / "quantkit" / "quantize" / "layers.py",
+             REPO / "quantkit" / "pipeline.py"]
+    missing = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in {n.split(".")[0] for n in names}:
+                if top in sys.stdlib_module_names or top == "quantkit":
+                    continue
+                if not dists.get(top, set()) & there:
+                    missing.append(f"{f.relative_to(REPO)}: {top} ({sorted(dists.get(top, {'?'}))})")
+    assert "scipy" in image and "numpy" in image, sorted(image)  # the closure was read, not empty
+    assert not missing, missing
