@@ -21,6 +21,7 @@ codebooks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,16 +45,13 @@ class QParams:
 
 
 def fp4_round(x: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 value (ties to the value with the even mantissa), saturating at +-6."""
-    grid = torch.tensor(FP4_GRID, device=x.device, dtype=torch.float32)
-    a = x.float().abs().clamp(max=FP4_MAX)
-    mid = (grid[1:] + grid[:-1]) / 2  # the decision points between neighbours
-    idx = torch.bucketize(a, mid)  # a == mid goes to the lower neighbour ...
-    tie = (idx < len(FP4_GRID) - 1) & (a == mid[idx.clamp(max=len(mid) - 1)])
-    # ... except where the lower neighbour's mantissa bit is odd (0.5, 1.5, 3): then up
-    odd = torch.tensor([False, True, False, True, False, True, False, False], device=x.device)
-    idx = torch.where(tie & odd[idx], idx + 1, idx)
-    return grid[idx] * torch.sign(x.float())
+    """Nearest e2m1 value (ties to the value with the even mantissa), saturating at +-6. The magnitudes are
+    spaced 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so rounding |x| / spacing half to even and scaling back
+    picks the nearest grid value with e2m1's tie rule (the spacings are powers of two: the divisions are exact)."""
+    xf = x.float()
+    a = xf.abs().clamp_(max=FP4_MAX)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return a.div_(step).round_().mul_(step).mul_(torch.sign(xf))
 
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
@@ -148,10 +146,10 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None
         return fp4_round(w / scale)
     if spec.type == "float":
         return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    q = torch.round(w / scale)
+    q = (w / scale).round_()  # a new tensor of the broadcast shape, updated in place from here on
     if zp is not None:
-        q = q + zp
-    return q.clamp(spec.qmin, spec.qmax)
+        q.add_(zp)
+    return q.clamp_(spec.qmin, spec.qmax)
 
 
 def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: WeightSpec) -> torch.Tensor:
@@ -170,9 +168,20 @@ def expand(qp: QParams, in_features: int, g_idx: torch.Tensor | None = None):
 
 
 def fake_quantize(w: torch.Tensor, qp: QParams, spec: WeightSpec, g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize then dequantize a [out, in] weight (fp32 result)."""
-    s, z = expand(qp, w.shape[1], g_idx)
-    return dequantize_codes(quantize_codes(w.float(), s, z, spec), s, z, spec)
+    """Quantize then dequantize a [out, in] weight (fp32 result). Groups in column order broadcast their scale
+    over a [out, groups, size] view (no [out, in] copy of the scales), and the codes become the result in
+    place: the same operations on the same values as `expand` + quantize_codes + dequantize_codes."""
+    if g_idx is not None:
+        s, z = expand(qp, w.shape[1], g_idx)
+        return dequantize_codes(quantize_codes(w.float(), s, z, spec), s, z, spec)
+    out_f, in_f = w.shape
+    shape = (out_f, in_f // qp.group_size, 1)
+    s = qp.scale.reshape(shape)
+    z = qp.zero_point.reshape(shape) if qp.zero_point is not None else None
+    q = quantize_codes(w.float().reshape(out_f, shape[1], qp.group_size), s, z, spec)
+    if z is not None:
+        q.sub_(z)
+    return q.mul_(s).reshape(out_f, in_f)
 
 
 def rtn(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
@@ -217,13 +226,22 @@ def output_sqnr_db(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor, dtype: t
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB: 10 log10(|ref|^2 / |ref - approx|^2)."""
-    ref = ref.double()
-    noise = (ref - approx.double()).pow(2).sum()
-    signal = ref.pow(2).sum()
+    """Signal-to-quantization-noise ratio in dB: 10 log10(|ref|^2 / |ref - approx|^2), the sums of squares in
+    float64. A block of rows (about 4M elements) at a time, each norm accumulating in float64 as it reads: no
+    float64 copy of the tensor (benchmarks/modelfree.py: the model-free path's per-weight diagnostic)."""
+    signal = noise = 0.0
+    rows = ref.reshape(ref.shape[0], -1) if ref.dim() > 1 else ref.reshape(1, -1)
+    other = approx.reshape(rows.shape)
+    step = max(1, (1 << 22) // max(rows.shape[1], 1))
+    for i in range(0, rows.shape[0], step):
+        r = rows[i:i + step]
+        wide = torch.float64 if torch.float64 in (r.dtype, other.dtype) else torch.float32
+        d = r.to(wide) - other[i:i + step].to(wide)
+        signal += float(torch.linalg.vector_norm(r, dtype=torch.float64)) ** 2
+        noise += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
     if noise == 0:
         return float("inf")
-    return float(10 * torch.log10(signal / noise))
+    return float(10 * math.log10(signal / noise)) if signal > 0 else float("-inf")
 
 
 # ------------------------------------------------------------------------------ the method contract
