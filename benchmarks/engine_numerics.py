@@ -113,7 +113,10 @@ def perplexity_with(model_dir: Path, export: Path, kind: str, max_tokens: int) -
     from quantkit.evaluate.hf_perplexity import token_windows, window_nll
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
+    # the rest of the model (embeddings, norms, head) as the export has it: a rotated export's differ from the
+    # float model's (quantkit/algorithms/rotate.py folds the rotation into them)
+    src = model_dir if kind == "float" else export
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, use_safetensors=True).eval()
     if kind != "float":
         for name in quantized_names(export):
             fn = linear_impl(nm, nm.read_exported_linear(export, name), kind)
@@ -308,6 +311,12 @@ def analyse_w4a16(nm, lin, x, y_float, y_ref, engine, dtype) -> dict:
     return {"single_operations": single, "activation_codes_mismatch_fraction": codes, "engine_emulation": emul}
 
 
+def rotated(export: Path) -> bool:
+    """Whether the export's recipe rotated the model before quantizing (its manifest's stages)."""
+    manifest = json.loads((export / "manifest.json").read_text())
+    return any(st.get("method") == "rotate" for st in manifest.get("quantization", {}).get("stages", []))
+
+
 def run_scheme(scheme: str, args, xs: dict, model: Path) -> dict:
     import torch
 
@@ -325,8 +334,12 @@ def run_scheme(scheme: str, args, xs: dict, model: Path) -> dict:
             tf_model(input_ids=torch.tensor([[1, 2, 3]]))
     isa_out = {}
     if scheme == "W8A8" and args.isa:
-        isa_out = run_isa_variants(args.isa, export, args.layer, xs, args.work / "isa", model, args.ppl_tokens)
-    for name in args.layer:
+        isa_out = run_isa_variants(args.isa, export, [] if rotated(export) else args.layer, xs, args.work / "isa",
+                                   model, args.ppl_tokens)
+    if rotated(export):
+        res["layers_skipped"] = ("a rotated export: its Linears read the rotated residual stream, not the float "
+                                    "model's activations this section feeds them; the perplexity below is whole-model")
+    for name in ([] if rotated(export) else args.layer):
         log(f"{scheme} {name}")
         x = xs[name]
         lin = nm.read_exported_linear(export, name)
