@@ -26,16 +26,19 @@ class WeightSpec:
     # how group scales are stored: in the model's dtype; as fp8 e4m3 under one power-of-two global scale per
     # tensor (NVFP4); or as power-of-two exponents, E8M0 (MX formats). FP4 schemes fix their group size.
     scale_format: Literal["model", "fp8", "e8m0"] = "model"
+    # integer codes kept within [-(code_limit + 1), code_limit] though stored (and declared) in num_bits: the
+    # export is the ordinary format, the weights use a narrower range (W8A8_AVX2); None: the full range
+    code_limit: int | None = None
 
     # compressed-tensors (and vLLM) keep integer codes in the signed range for both symmetric and
     # asymmetric schemes; an asymmetric zero point lives in the same range: w = (q - zp) * scale.
     @property
     def qmin(self) -> int:
-        return -(2 ** (self.num_bits - 1))
+        return -(self.code_limit + 1) if self.code_limit is not None else -(2 ** (self.num_bits - 1))
 
     @property
     def qmax(self) -> int:
-        return 2 ** (self.num_bits - 1) - 1
+        return self.code_limit if self.code_limit is not None else 2 ** (self.num_bits - 1) - 1
 
     @property
     def is_fp4(self) -> bool:
@@ -176,6 +179,16 @@ register_scheme(Scheme(
     "MXFP4A16", WeightSpec(4, "float", True, "group", 32, scale_format="e8m0"), None, "mxfp4-pack-quantized",
     "fp4 (e2m1) weights in groups of 32 with power-of-two (E8M0) scales, 16-bit activations (OCP MX; no CPU "
     "kernel)", BAR_4BIT))
+
+# vLLM's int8 GEMM on a CPU without VNNI (oneDNN on AVX2) multiplies unsigned activation codes (0..255) by the
+# signed weight codes and adds adjacent pairs in int16, which saturates when both products of a pair are large
+# (quantkit.diagnostics.numerics.int8_gemm_int16_pairs): W8A8 lost 6.8% perplexity there against 3.4% in the
+# reference. With |weight code| <= 64 a pair is at most 255 x 128 = 32640 < 32767: nothing saturates, for one
+# bit less of weight precision. The export is plain W8A8 (int8 codes, per-channel scales), served everywhere.
+register_scheme(Scheme(
+    "W8A8_AVX2", WeightSpec(8, "int", True, "channel", code_limit=63), ActivationSpec(8, "int"), "int-quantized",
+    "int8 per-channel symmetric weights using codes -64..63 (exact on CPUs without VNNI, whose int8 GEMM "
+    "saturates int16 pair sums), dynamic per-token int8 activations", BAR_8BIT_ACT))
 
 
 def get_scheme(name: str) -> Scheme:

@@ -37,3 +37,29 @@ def test_odd_k_and_small_codes_give_the_exact_product():
     b = torch.randint(-20, 21, (3, 7), generator=g, dtype=torch.int8)
     exact = a.to(torch.int64) @ b.to(torch.int64).t()
     assert torch.equal(int8_gemm_int16_pairs(a, b, rows=2), exact)
+
+
+def test_w8a8_avx2_weights_never_saturate_a_pair_where_w8a8_weights_do():
+    """W8A8_AVX2 keeps weight codes in -64..63, so |a1 w1 + a2 w2| <= 255 x 128 < 32767 for any activation codes:
+    the emulated non-VNNI GEMM is exact. Plain W8A8 codes reach +-127 and the same activations saturate."""
+    from quantkit.algorithms.rtn import rtn
+    from quantkit.schemes import get_scheme
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * 0.05
+    w[:, :8] *= 6  # outlier columns: each row's absmax sits in a pair with another large weight
+    # worst case activations: every code at an extreme, plus random ones
+    a = torch.cat([torch.full((1, 256), 127), torch.full((1, 256), -128),
+                   torch.randint(-128, 128, (30, 256), generator=g)]).to(torch.int8)
+    saturated = {}
+    for name in ("W8A8_AVX2", "W8A8"):
+        deq, qp = rtn(w, get_scheme(name).weights)
+        codes = torch.round(deq / qp.scale).to(torch.int8)
+        assert torch.equal(codes.float() * qp.scale, deq), "the weights are codes times their channel scale"
+        exact = a.to(torch.int64) @ codes.to(torch.int64).t()
+        saturated[name] = int((int8_gemm_int16_pairs(a, codes) != exact).sum())
+        if name == "W8A8_AVX2":
+            assert int(codes.min()) >= -64 and int(codes.max()) <= 63
+            assert int(codes.abs().amax(dim=1).min()) >= 63, "every row still uses the narrowed range in full"
+    assert saturated["W8A8_AVX2"] == 0
+    assert saturated["W8A8"] > 0, saturated

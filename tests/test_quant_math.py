@@ -35,8 +35,8 @@ def _inputs(n=2048, inp=512, seed=1):
 # ~6 dB per bit, minus the cost of min/max scaling when 4 of 512 input channels are 8x larger (a whole
 # row's or group's step is set by them). Measured: W8 32.5 dB, W4 g64 15.5 dB (asym 18.1), FP8 32.6 dB,
 # NVFP4 (groups of 16) 20.3 dB, MXFP4 (groups of 32, power-of-two scales) 17.1 dB.
-SQNR_FLOOR = {"W8A8": 31.0, "W8A16": 31.0, "W4A16": 14.5, "W4A16_ASYM": 17.0, "FP8_DYNAMIC": 31.0,
-              "NVFP4A16": 19.5, "MXFP4A16": 16.3}
+SQNR_FLOOR = {"W8A8": 31.0, "W8A8_AVX2": 25.0, "W8A16": 31.0, "W4A16": 14.5, "W4A16_ASYM": 17.0, "FP8_DYNAMIC": 31.0,
+              "NVFP4A16": 19.5, "MXFP4A16": 16.3}  # W8A8_AVX2: one bit (6 dB) under W8A8
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
