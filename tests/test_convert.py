@@ -53,6 +53,7 @@ def _reload(out):
     ([{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "static"}], True, 1e-5),
     ([{"method": "rtn", "scheme": "W8A8"}], False, 0.1),
     ([{"method": "gptq", "scheme": "W8A8"}], True, 0.1),
+    ([{"method": "gptq", "scheme": "W8A8_AVX2"}], True, 0.1),  # codes -64..63 in the plain int8 format
     # learned rounding, frozen onto the same grids: from GPTQ (group act-order keeps its g_idx) and from RTN
     ([{"method": "autoround", "scheme": "W4A16", "group_size": 16, "actorder": "group", "steps": 12, "lr": 0.05}],
      True, 1e-5),
@@ -71,6 +72,11 @@ def test_export_reloads_like_fake_quant(tiny_llama, calib_text, tmp_path, stages
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["ignore"] == ["lm_head"]
     assert cfg["format"] == ("int-quantized" if "W8A8" in stages[0]["scheme"] else "pack-quantized")
+    if stages[0]["scheme"] == "W8A8_AVX2":  # the stored int8 codes use the narrowed range and nothing beyond
+        from safetensors.torch import load_file
+        codes = [t for f in sorted(out.glob("*.safetensors")) for t in load_file(str(f)).values() if t.dtype == torch.int8]
+        assert codes and all(int(c.min()) >= -64 and int(c.max()) <= 63 for c in codes)
+        assert max(int(c.abs().max()) for c in codes) >= 63
     # only group act-order changes the format (a g_idx per column); static permutes while quantizing
     # and stores plain groups, as does no act-order
     want_actorder = "group" if stages[0].get("actorder") == "group" else None
