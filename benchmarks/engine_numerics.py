@@ -332,14 +332,15 @@ def run_scheme(scheme: str, args, xs: dict, model: Path) -> dict:
         tf_model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, use_safetensors=True).eval()
         with torch.no_grad():  # transformers decompresses the export on the model's first forward
             tf_model(input_ids=torch.tensor([[1, 2, 3]]))
+    layers = args.layer
+    if rotated(export):
+        layers = []
+        res["layers_skipped"] = ("a rotated export: its Linears read the rotated residual stream, not the float "
+                                 "model's activations this section feeds them; the perplexity below is whole-model")
     isa_out = {}
     if scheme == "W8A8" and args.isa:
-        isa_out = run_isa_variants(args.isa, export, [] if rotated(export) else args.layer, xs, args.work / "isa",
-                                   model, args.ppl_tokens)
-    if rotated(export):
-        res["layers_skipped"] = ("a rotated export: its Linears read the rotated residual stream, not the float "
-                                    "model's activations this section feeds them; the perplexity below is whole-model")
-    for name in ([] if rotated(export) else args.layer):
+        isa_out = run_isa_variants(args.isa, export, layers, xs, args.work / "isa", model, args.ppl_tokens)
+    for name in layers:
         log(f"{scheme} {name}")
         x = xs[name]
         lin = nm.read_exported_linear(export, name)

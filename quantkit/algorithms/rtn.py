@@ -233,9 +233,9 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     rows = ref.reshape(ref.shape[0], -1) if ref.dim() > 1 else ref.reshape(1, -1)
     other = approx.reshape(rows.shape)
     step = max(1, (1 << 22) // max(rows.shape[1], 1))
+    wide = torch.float64 if torch.float64 in (rows.dtype, other.dtype) else torch.float32
     for i in range(0, rows.shape[0], step):
         r = rows[i:i + step]
-        wide = torch.float64 if torch.float64 in (r.dtype, other.dtype) else torch.float32
         d = r.to(wide) - other[i:i + step].to(wide)
         signal += float(torch.linalg.vector_norm(r, dtype=torch.float64)) ** 2
         noise += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
