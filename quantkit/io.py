@@ -125,9 +125,31 @@ def keep_large_allocations_off_the_heap(threshold: int = 1 << 20) -> None:
     The price is a page fault per fresh page of each large tensor: measured on SmolLM2 GPTQ with chunks of
     8 samples, 1 MB gave 146 s / 1064 MB, 32 MB 119 s / 1310 MB, glibc's default 127 s / 1339 MB.
     """
+    global _heap_threshold
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+        _heap_threshold = threshold
+
+
+_heap_threshold: int | None = None  # what keep_large_allocations_off_the_heap last set (None: glibc's own)
+
+
+@contextlib.contextmanager
+def reusing_freed_memory(threshold: int = 32 << 20):
+    """For a loop that allocates the same large tensors step after step (autoround's descent): glibc keeps
+    freed blocks under `threshold` (32 MB, the most its own dynamic threshold reaches) and hands them out
+    again, instead of a fresh mmap and a page fault per 4 KB page each time. On exit the threshold set before
+    is back and the freed heap goes back to the OS. Measured on SmolLM2 layer 0 (autoround, 20 steps of 8 x 512
+    tokens, bf16, AMX): 2.7 M page faults and 5.0 s under the 1 MB threshold, 0.2 M and 3.4 s inside this."""
+    before = _heap_threshold
+    keep_large_allocations_off_the_heap(threshold)
+    try:
+        yield
+    finally:
+        if before is not None:
+            keep_large_allocations_off_the_heap(before)
+        release_free_memory()
 
 
 def release_free_memory() -> None:

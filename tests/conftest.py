@@ -48,6 +48,15 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     yield
 
 
+@pytest.fixture(scope="session")
+def demo_baselines(tmp_path_factory) -> Path:
+    """One baseline cache for the session's evals of the demo model (tests/test_eval_e2e.py computes the smoke
+    suite's baseline fresh and stores it here; tests/test_tracking_ui.py then reuses it, or computes it where it
+    runs alone): a test links it into its own QUANTKIT_HOME as `baselines`. The cache's key (model bytes, suite,
+    engine and its version) decides a hit, exactly as for a user."""
+    return tmp_path_factory.mktemp("demo-baselines")
+
+
 def make_tokenizer(folder: Path, vocab_size: int = 384):
     """The tiny models' tokenizer: byte-level BPE with merges learned on SAMPLE_TEXT (quantkit's builder)."""
     return build_tokenizer(folder, [SAMPLE_TEXT] * 4, vocab_size, CHAT_TEMPLATE)

@@ -216,3 +216,72 @@ def test_each_layer_trains_towards_the_float_models_activations(tmp_path, calib_
         want = states[i + 1]
         close = torch.allclose(seen[i], want, atol=1e-4 * float(want.abs().max()), rtol=0)
         assert close == (reference == "float_model" or i == 0), (i, float((seen[i] - want).abs().max()))
+
+
+def _chain_rule_reference(base, V, s, z, qmin, qmax):
+    """The learned grid as autograd sees it op by op (the formulation before the fused function): the rounding
+    passed straight through as x + (round(x) - x).detach(), then clamp, shift and scale."""
+    x = base / s + V
+    x = x + (torch.round(x) - x).detach()
+    q = torch.clamp(x + (z if z is not None else 0.0), qmin, qmax)
+    return (q - (z if z is not None else 0.0)) * s
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["groups", "g_idx"])
+def test_the_fused_grid_matches_autograds_chain_rule(asym, dtype, layout):
+    from quantkit.algorithms.autoround import _FakeQuant
+
+    g = torch.Generator().manual_seed(3)
+    out_f, groups, size = 48, 6, 16
+    base = torch.randn(out_f, groups, size, generator=g) * 2
+    base[0, 0, :4] = torch.tensor([30.0, -30.0, 0.0, 5.0])  # codes past both ends of the grid: clamped
+    s0 = base.abs().amax(-1, keepdim=True) / 7
+    factor = (0.7 + 0.3 * torch.rand(out_f, groups, 1, generator=g)).requires_grad_()
+    V = (torch.rand(out_f, groups, size, generator=g) - 0.5).requires_grad_()
+    z = torch.randint(-2, 3, (out_f, groups, 1), generator=g).float() if asym else None
+    upstream = torch.randn(out_f, groups, size, generator=g).to(dtype)
+    if layout == "g_idx":  # the scale gathered per column, as with GPTQ's activation order
+        cols = torch.randperm(groups * size, generator=g) // size
+        flat = lambda t: t.reshape(out_f, groups * size)  # noqa: E731
+        base, V_in, upstream = flat(base), V.reshape(out_f, -1), flat(upstream)
+        scale = lambda: (s0 * factor).squeeze(-1)[:, cols]  # noqa: E731
+        z = z.squeeze(-1)[:, cols] if z is not None else None
+    else:
+        V_in, scale = V, (lambda: s0 * factor)
+    results = []
+    for fused in (False, True):
+        w = (_FakeQuant.apply(base, V_in, scale(), z, -8, 7, dtype) if fused
+             else _chain_rule_reference(base, V_in, scale(), z, -8, 7).to(dtype))
+        (w.float() * upstream.float()).sum().backward()
+        results.append((w.detach(), V.grad.clone(), factor.grad.clone()))
+        V.grad, factor.grad = None, None
+    (w_ref, gv_ref, gf_ref), (w_fused, gv_fused, gf_fused) = results
+    assert w_fused.dtype == dtype and torch.equal(w_fused, w_ref)  # the same codes and values, bit for bit
+    assert torch.equal(gv_fused, gv_ref)  # dw/dV = s inside the grid, 0 where clamped
+    assert (gv_ref == 0).any() and (gv_ref != 0).any()
+    assert torch.allclose(gf_fused, gf_ref, rtol=1e-5, atol=1e-6 * gf_ref.abs().max())
+
+
+def test_reusing_freed_memory_spares_the_page_faults_of_a_repeated_allocation():
+    import resource
+
+    from quantkit.io import _libc, keep_large_allocations_off_the_heap, reusing_freed_memory
+
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        pytest.skip("not glibc: the mmap threshold is glibc's")
+
+    def faults_of_a_loop() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(20):
+            torch.ones(2 << 20)  # 8 MB, written through, freed at once
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    keep_large_allocations_off_the_heap()  # the walk's 1 MB threshold: each 8 MB tensor is a fresh mapping
+    outside = faults_of_a_loop()
+    with reusing_freed_memory():
+        inside = faults_of_a_loop()
+    assert outside >= 20 * 2048 * 0.9  # a page fault per 4 KB page of every tensor (THP may merge a few)
+    assert inside < outside / 4

@@ -56,8 +56,10 @@ def _eval_cli(cwd: Path, home: Path, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def eval_home(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("eval-home")
+def eval_home(tmp_path_factory, demo_baselines) -> Path:
+    home = tmp_path_factory.mktemp("eval-home")
+    (home / "baselines").symlink_to(demo_baselines)  # the fresh baseline computed here serves the UI test too
+    return home
 
 
 @pytest.fixture(scope="module")

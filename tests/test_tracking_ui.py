@@ -38,7 +38,7 @@ def _cli(env: dict, *args: str, ok=(0,)) -> str:
 
 
 @pytest.fixture(scope="module")
-def tracked_demo(tmp_path_factory):
+def tracked_demo(tmp_path_factory, demo_baselines):
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium); .ci/run installs it")
     if not (_demo_dir() / "config.json").is_file() or util.find_spec("vllm") is None:
@@ -48,6 +48,7 @@ def tracked_demo(tmp_path_factory):
     home = work / "home"  # its own home (baseline cache, logs), the demo model and vLLM's cache linked in
     home.mkdir()
     (home / "models").symlink_to(_demo_dir().parent)
+    (home / "baselines").symlink_to(demo_baselines)  # the smoke baseline test_eval_e2e.py computed, where it ran
     env = {**os.environ, "QUANTKIT_TRACKING_URI": store, "QUANTKIT_NO_TRACK": "0", "QUANTKIT_HOME": str(home)}
     import yaml
 
