@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from quantkit.distributed import SINGLE, ChunkLayout, Ranks
 from quantkit.errors import human_bytes
-from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
+from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory, reusing_freed_memory
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan
@@ -165,7 +165,8 @@ class Walk:
             layer, lp = layers[i], self.plan.layers[i]
             with self.timing.measure("load"):
                 materialize(layer, lp.prefix, self.ckpt, self.compute, self.device)
-            hidden, note = visitor.visit(i, layer, lp, LayerInput(hidden, kwargs[i] if kwargs else None, layout))
+            with reusing_freed_memory():  # a layer's chunks allocate the same tensors again and again; trimmed after
+                hidden, note = visitor.visit(i, layer, lp, LayerInput(hidden, kwargs[i] if kwargs else None, layout))
             release(layer)
             bar.set_postfix_str(note)
             release_free_memory()
