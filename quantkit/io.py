@@ -147,8 +147,9 @@ def reusing_freed_memory(threshold: int = 32 << 20):
     is back and the freed heap goes back to the OS. The layer walk runs each layer inside it (the chunks of a
     layer repeat their allocations; the heap is trimmed after every layer, so nothing creeps up across layers).
     Measured on 2 AMX cores: SmolLM2 autoround layer 0 (20 steps of 8 x 512 tokens, bf16) 2.7 M page faults and
-    5.0 s under the 1 MB threshold, 0.2 M and 3.4 s inside this; SmolLM2 GPTQ W4A16 (32 x 512) 61.8 -> 54.6 s,
-    peak RSS 1,107 -> 1,274 MB; one Llama-3.1-8B-shape layer (GPTQ, 8 x 512) 64.2 -> 59.5 s, 5,494 -> 5,632 MB."""
+    5.0 s under the 1 MB threshold, 0.2 M and 3.4 s inside this; with the walk's layers inside it (and the trim
+    threshold fixed), SmolLM2 GPTQ W4A16 (32 x 512, bf16) 61.8 -> 48.6 s, peak RSS 1,107 -> 1,300 MB; one
+    Llama-3.1-8B-shape layer (GPTQ W4A16 g128, 8 x 512) 64.2 -> 47.7 s (solve 34.8 -> 28.6 s), 5,494 -> 5,648 MB."""
     before = _heap_threshold
     keep_large_allocations_off_the_heap(threshold)
     try:
