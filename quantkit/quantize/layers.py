@@ -132,7 +132,8 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
             w = m.weight.detach().float()
             with job.timing.measure("diagnostics"):
                 stats = weight_stats(si, method.name, t.scheme.name, w, q, sec)
-                out_sqnr = output_sqnr(w, q.weight, obs, job)
+                # a quantizer with a layer-level pass (autoround) measures there the weights it keeps
+                out_sqnr = output_sqnr(w, q.weight, obs, job) if method.refine_layer is None else None
                 if out_sqnr is not None:
                     stats["output_sqnr_db"] = out_sqnr
             m.weight.data = q.weight.to(m.weight.dtype)
