@@ -141,7 +141,7 @@ _heap_threshold: int | None = None  # what keep_large_allocations_off_the_heap l
 
 @contextlib.contextmanager
 def reusing_freed_memory(threshold: int = 32 << 20):
-    """For a loop that allocates the same large tensors step after step (autoround's descent): glibc keeps
+    """For work that allocates the same large tensors again and again (a layer's chunks, autoround's steps): glibc keeps
     freed blocks under `threshold` (32 MB, the most its own dynamic threshold reaches) and hands them out
     again, instead of a fresh mmap and a page fault per 4 KB page each time. On exit the threshold set before
     is back and the freed heap goes back to the OS. The layer walk runs each layer inside it (the chunks of a

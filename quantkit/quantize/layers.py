@@ -26,7 +26,6 @@ from torch import nn
 
 from quantkit.algorithms.gptq import HessianAccumulator
 from quantkit.algorithms.rtn import activation_pre_hook, output_sqnr_db, sqnr_db
-from quantkit.io import reusing_freed_memory
 from quantkit.distributed import SINGLE, ChunkFold, ChunkLayout, Ranks, deal, decode_json, encode_json, share
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
 from quantkit.algorithms.contract import ModuleResult, Observations, QuantizedWeight
@@ -405,9 +404,8 @@ class _Refinement:
                                    targets[0].scheme.weights, self._forward, reference, list(range(len(self.pieces))),
                                    None if self.job.ranks.world == 1 else (lambda ts: sum_across(ts, self.job.ranks)),
                                    start_outputs=list(out.split(bs)))  # the group pass's (or the stage before's)
-            # the descent allocates the same activations and gradients every step: reuse freed blocks
-            with _trainable(self.layer), observing(self.layer, [_ActivationQuant(self.plan)]), torch.enable_grad(), \
-                    reusing_freed_memory():
+            # (the walk runs the layer inside reusing_freed_memory: the descent's steps reuse freed blocks)
+            with _trainable(self.layer), observing(self.layer, [_ActivationQuant(self.plan)]), torch.enable_grad():
                 refined = targets[0].quantizer.refine_layer(problem, targets[0].stage.config, self.job.scale_dtype)
             for t, m, q in zip(targets, mods, refined):
                 r = by_name[t.name]
