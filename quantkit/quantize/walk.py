@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from quantkit.distributed import SINGLE, ChunkLayout, Ranks
 from quantkit.errors import human_bytes
-from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory, reusing_freed_memory
+from quantkit.io import keep_large_allocations_off_the_heap, reusing_freed_memory
 from quantkit.model.arch import ArchSpec
 from quantkit.model.checkpoint import LazyCheckpoint, materialize, release, to_layer_device
 from quantkit.plan import ConvertError, LayerPlan, Plan
@@ -167,9 +167,8 @@ class Walk:
                 materialize(layer, lp.prefix, self.ckpt, self.compute, self.device)
             with reusing_freed_memory():  # a layer's chunks allocate the same tensors again and again; trimmed after
                 hidden, note = visitor.visit(i, layer, lp, LayerInput(hidden, kwargs[i] if kwargs else None, layout))
-            release(layer)
+                release(layer)
             bar.set_postfix_str(note)
-            release_free_memory()
 
     def _first_input(self, input_ids, start: int, resume):
         if input_ids is None:
