@@ -300,3 +300,66 @@ def test_failure_inside_the_chunked_forward_stops_every_chunk(tiny_llama, calib_
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, walk._Chunk) and o], "a chunk is left suspended"
     assert torch.is_grad_enabled()  # the scheduler's grad mode is restored
+
+
+class _CountingCheckpoint:
+    """A LazyCheckpoint that records which tensors were read whole and which by rows."""
+
+    def __new__(cls, folder):
+        from quantkit.model.checkpoint import LazyCheckpoint
+
+        class Counting(LazyCheckpoint):
+            def __init__(self, f):
+                super().__init__(f)
+                self.whole: list[str] = []
+                self.by_rows: dict[str, list[int]] = {}
+
+            def get_many(self, keys):
+                self.whole += keys
+                return super().get_many(keys)
+
+            def get_rows(self, key, rows):
+                self.by_rows[key] = rows.tolist()
+                return super().get_rows(key, rows)
+
+        return Counting(folder)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])  # gemma scales its embeddings by sqrt(hidden)
+def test_capture_reads_only_the_embedding_rows_of_the_calibration_tokens(tmp_path, model_type):
+    """The first layer's input from the rows of the tokens in use (each read alone from the file) is
+    exactly what the whole float model feeds its first layer; the table is never read whole and is left
+    released, its padding index as it was."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.model.arch import arch_for
+    from quantkit.model.checkpoint import build_skeleton
+    from quantkit.quantize.walk import capture_layer_inputs
+
+    folder = make_tiny_model(tmp_path / model_type, model_type)
+    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7, 40, 41, 200, 7], [300, 5, 6, 9, 9, 41, 2]])
+    with torch.no_grad():
+        expected = full(ids, output_hidden_states=True, use_cache=False).hidden_states[0]
+    skeleton = build_skeleton(folder, "float32")
+    arch = arch_for(skeleton.config)
+    ckpt = _CountingCheckpoint(folder)
+    embed = skeleton.get_submodule(arch.embed)
+    padding = embed.padding_idx
+    first, _ = capture_layer_inputs(skeleton, arch, ckpt, ids, torch.float32, 1)
+    assert torch.equal(first, expected)
+    key = arch.embed + ".weight"
+    assert key not in ckpt.whole and ckpt.by_rows[key] == [2, 5, 6, 7, 9, 40, 41, 200, 300]
+    assert embed.weight.is_meta and embed.weight.shape == (len(full.model.embed_tokens.weight), 64)
+    assert embed.padding_idx == padding
+
+
+def test_checkpoint_rows_match_the_whole_tensor(tiny_llama):
+    from quantkit.model.checkpoint import LazyCheckpoint
+
+    ckpt = LazyCheckpoint(tiny_llama)
+    key = "model.embed_tokens.weight"
+    whole = ckpt.get(key)
+    for rows in ([0], [3, 4, 5, 9, 11, 12], list(range(whole.shape[0])), [whole.shape[0] - 1], []):
+        r = torch.tensor(rows, dtype=torch.long)
+        assert torch.equal(ckpt.get_rows(key, r), whole[r])

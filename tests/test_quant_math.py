@@ -125,8 +125,12 @@ def test_gptq_beats_rtn_on_layer_loss(actorder, name):
     assert (res.g_idx is not None) == (actorder == "group")
 
 
-def test_output_sqnr_from_hessian_equals_the_direct_one():
+@pytest.mark.parametrize("slab", [2048, 100])  # H in one slab; in five, the last one ragged
+def test_output_sqnr_from_hessian_equals_the_direct_one(monkeypatch, slab):
     """The manifest's output SQNR comes from H; it must equal the SQNR of X W^T vs X Q^T over the same X."""
+    from quantkit.algorithms import rtn as rtn_module
+
+    monkeypatch.setattr(rtn_module, "SQNR_SLAB", slab)
     W, X = _weight(), _inputs()
     spec = get_scheme("W4A16").with_overrides(group_size=64).weights
     Q, _ = rtn(W, spec)
@@ -228,24 +232,23 @@ def test_typed_result_round_trips_through_the_work_folder_form(name, group, acto
         save_typed(tmp_path / "00001.safetensors", [ModuleResult("m.proj", {}, off, scheme.weights)])
 
 
-def test_hessian_full_product_path_matches_the_triangle_path(monkeypatch):
-    """Over SYRK_MAX_BYTES the CPU accumulator uses the full addmm product (OpenBLAS ssyrk crashes on > 2 GiB
-    buffers); both paths give the same symmetric H = 2/n sum x x^T."""
+@pytest.mark.parametrize("slab", [1024, 32, 40])  # one slab; slabs dividing in (96); a ragged last slab
+def test_hessian_by_slabs_is_the_symmetric_gram_matrix(monkeypatch, slab):
+    """However H's rows are cut into slabs, the accumulator gives 2/n X^T X (against float64), exactly
+    symmetric; adding chunks here and folding the partials another process would send agree bit for bit."""
     from quantkit.algorithms import gptq
 
+    monkeypatch.setattr(gptq, "SLAB_ROWS", slab)
     X = _inputs(700, 96)
     ref = 2 * X.double().t() @ X.double() / X.shape[0]
-    hs = []
-    for limit in (2 ** 31, 96 * 96 * 4):  # the triangle path, then the full-product path
-        monkeypatch.setattr(gptq, "SYRK_MAX_BYTES", limit)
-        acc = HessianAccumulator(96)
-        assert acc._triangle == (limit == 2 ** 31)
-        for chunk in X.split(256):
-            acc.add(chunk)
-        hs.append(acc.H)
-    assert torch.equal(hs[0], hs[0].t())  # the triangle path mirrors exactly; addmm is symmetric to rounding
-    for H in hs:
-        assert torch.allclose(H, H.t(), rtol=1e-6, atol=1e-6) and torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
+    here, elsewhere, folded = HessianAccumulator(96), HessianAccumulator(96), HessianAccumulator(96)
+    for chunk in X.split(256):
+        here.add(chunk)
+        part, n = elsewhere.partial(chunk)
+        folded.fold(part.clone(), n)
+    H = here.H
+    assert torch.equal(H, H.t()) and torch.equal(H, folded.H)
+    assert torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))

@@ -76,6 +76,25 @@ class LazyCheckpoint:
         return out
 
 
+    def get_rows(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (sorted, unique indices into dim 0) of a tensor, read without the rest: each run of
+        consecutive rows is one slice of the file, so only their pages are touched (an embedding table's
+        rows for the calibration tokens: 2 MB of Llama-3.1-8B's 1 GB for a 256-token vocabulary in use)."""
+        from safetensors import safe_open
+
+        self._check(key)
+        idx = rows.tolist()
+        runs, start = [], 0
+        for i in range(1, len(idx) + 1):
+            if i == len(idx) or idx[i] != idx[i - 1] + 1:
+                runs.append((idx[start], idx[i - 1] + 1))
+                start = i
+        with safe_open(str(self._where[key]), framework="pt") as h:
+            sl = h.get_slice(key)
+            parts = [sl[a:b] for a, b in runs] or [sl[0:0]]
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
 def build_skeleton(folder: Path, dtype: str, trust_remote_code: bool = False):
     """Module tree with parameters on the meta device (buffers such as rotary tables are real), its
     sparse blocks (mixture of experts) unfused into one Linear per expert as the checkpoint stores them."""

@@ -92,6 +92,13 @@ class RotatedCheckpoint(LazyCheckpoint):
             out[k] = self._rotate(k, t, stored) if k in self._rules else t
         return out
 
+    def get_rows(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """A rotated tensor's rows are those of the whole tensor as `get` rotates it (computed whole, so they
+        carry exactly the bits the export stores); an unrotated one's are read alone."""
+        if key in self._rules or key == self.lm_head:
+            return self.get(key).index_select(0, rows)
+        return super().get_rows(key, rows)
+
     def _stored_name(self, key: str) -> str:
         return self.arch.embed + ".weight" if (key == self.lm_head and self.untied) else key
 

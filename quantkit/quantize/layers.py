@@ -84,6 +84,9 @@ class GroupInputs:
         if self.hessian:
             if self.acc is None:
                 self.acc = HessianAccumulator(x2.shape[-1], device=x2.device)
+            if self.layout.ranks.world == 1:  # straight into the sum: no [in, in] product of the chunk alone
+                self.acc.add(x2)
+                return
             part, n = self.acc.partial(x2)
             self._fold.add([part, torch.tensor([n])])
         else:  # the rows of this chunk among the first SQNR_TOKENS of the whole batch
