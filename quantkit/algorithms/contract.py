@@ -107,6 +107,9 @@ class ModuleResult:
 
     name: str
     stats: dict
-    weight: QuantizedWeight
+    weight: QuantizedWeight | None  # None once `typed` holds it (quantkit/quantize/workdir.py: compact)
     spec: WeightSpec
     rewritten: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the weight in the work folder's typed form (codes, scale, ...: 1 byte per weight instead of 4), made as
+    # soon as nothing in the layer reads the dequantized weight again
+    typed: dict[str, torch.Tensor] | None = None

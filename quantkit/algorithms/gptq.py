@@ -297,7 +297,7 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
                  if actorder != "group" else None)
     perm = f.perm
     if perm is not None:
-        W = W[:, perm]
+        _permute_columns_(W, perm)
     Q = torch.zeros_like(W)
     losses = torch.zeros(out_f, dtype=torch.float32, device=W.device)
     n_groups = in_f // g
@@ -314,16 +314,23 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
                         gscale, search), block_size)
 
     g_idx = None
-    if perm is not None:  # back to the original column order, one [out, in] copy at a time
+    if perm is not None:  # back to the original column order
         inv = torch.argsort(perm)
-        Q = Q[:, inv]
-        W = W[:, inv]
+        _permute_columns_(Q, inv)
+        _permute_columns_(W, inv)
     if qp_static is not None:
         qparams = qp_static
     else:
         qparams = QParams(group_scale, group_zp, g, gscale)
         g_idx = (inv // g).to(torch.int32)  # original column -> group
     return GPTQResult(Q, qparams, g_idx, losses, f.damping, W)
+
+
+def _permute_columns_(M: torch.Tensor, order: torch.Tensor) -> None:
+    """M[:, :] = M[:, order] in place, a block of rows (~16 MB) at a time: no second [out, in] matrix."""
+    step = max(1, (1 << 22) // max(M.shape[1], 1))
+    for r in range(0, M.shape[0], step):
+        M[r:r + step] = M[r:r + step].index_select(1, order)
 
 
 @dataclass

@@ -42,7 +42,9 @@ class Method:
 @dataclass(frozen=True, kw_only=True)
 class QuantizerMethod(Method):
     role: ClassVar[str] = "quantizer"
-    quantize: Callable  # (weights, Observations, WeightSpec, stage, scale_dtype) -> list[QuantizedWeight]
+    # (weights, Observations, WeightSpec, stage, scale_dtype) -> list[QuantizedWeight]; the weights come in the
+    # layer's compute dtype, and the quantizer takes its fp32 copy of each in turn (one at a time in memory)
+    quantize: Callable
     needs: Literal["hessian", "nothing"]
     # what one stage's configuration needs, where it depends on it (autoround from RTN: no Hessian)
     needs_of: Callable[[object], Literal["hessian", "nothing"]] | None = None

@@ -275,6 +275,6 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
     search = stage.scale_search() if isinstance(stage, ScaleSearchOptions) else None  # QAT's start: min/max
     out = []
     for w in weights:
-        deq, qp = rtn(w, spec, scale_dtype, search=search)
+        deq, qp = rtn(w.float(), spec, scale_dtype, search=search)
         out.append(QuantizedWeight(deq, qp.scale, qp.zero_point, global_scale=qp.global_scale))
     return out

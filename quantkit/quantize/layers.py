@@ -35,7 +35,7 @@ from quantkit.quantize.transforms import apply_transforms
 from quantkit.model.checkpoint import to_layer_device
 from quantkit.quantize.timing import PhaseTimes
 from quantkit.quantize.walk import ChunkScheduler, LayerInput, Walk, observing, pause_chunk
-from quantkit.quantize.workdir import WorkDir
+from quantkit.quantize.workdir import WorkDir, compact
 
 log = logging.getLogger("quantkit")
 SQNR_TOKENS = 4096  # calibration tokens for the output SQNR of stages without a Hessian (RTN)
@@ -131,7 +131,7 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
             raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
         pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, targets[0].stage.config, job)
         for t, m, q, sec in zip(targets, mods, pieces, seconds):
-            w = m.weight.detach().float()
+            w = m.weight.detach()  # in the compute dtype: the diagnostics read it a block of rows at a time
             with job.timing.measure("diagnostics"):
                 stats = weight_stats(si, method.name, t.scheme.name, w, q, sec)
                 # a quantizer with a layer-level pass (autoround) measures there the weights it keeps
@@ -152,7 +152,7 @@ def output_sqnr(w: torch.Tensor, deq: torch.Tensor, obs: Observations, job: Job)
         return round(output_sqnr_db(w, deq, obs.hessian, job.diagnostics_dtype), 3)
     if obs.sample is not None:
         xs = obs.sample
-        return round(sqnr_db(xs @ w.t(), xs @ deq.t()), 3)
+        return round(sqnr_db(xs @ w.float().t(), xs @ deq.t()), 3)
     return None
 
 
@@ -160,7 +160,7 @@ def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: J
     """The quantizer on one stage's members of a group: ([QuantizedWeight], seconds each). Across processes
     the members are dealt to ranks (largest first) and each result is broadcast from the rank that solved
     it; a quantizer's result for one weight never depends on the others in its call (the contract)."""
-    weights = [m.weight.detach().float() for m in mods]
+    weights = [m.weight.detach() for m in mods]  # in the compute dtype: each quantizer makes its own fp32 copy
     r = job.ranks
     owner = deal([w.numel() for w in weights], r.world)
     mine = [k for k in range(len(mods)) if owner[k] == r.rank]
@@ -321,11 +321,15 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
             for g, members in enumerate(plan.groups):
                 scheduler.advance()  # every chunk to group g's input
                 obs = groups.observations(g)
-                results += (experts.quantize(g, members, obs) if experts is not None and g in plan.experts
-                            else quantize_group(layer, plan.prefix, members, job, obs))
+                got = (experts.quantize(g, members, obs) if experts is not None and g in plan.experts
+                       else quantize_group(layer, plan.prefix, members, job, obs))
                 if refining is not None:
                     refining.keep(members, obs)
                 obs = None
+                for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight
+                    if refining is None or r.name not in refining.floats:
+                        compact(r)
+                results += got
             scheduler.finish(out)
         finally:
             scheduler.close()

@@ -32,26 +32,44 @@ from quantkit.schemes import WeightSpec
 TYPED_FIELDS = ("codes", "scale", "zero_point", "g_idx", "global_scale")
 
 
-def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
-    """One module's typed result as tensors (its codes, not the dequantized weight: 1 byte per weight)."""
-    q, spec = r.weight, r.spec
+def encode_weight(name: str, q: QuantizedWeight, spec: WeightSpec) -> dict[str, torch.Tensor]:
+    """One module's typed quantization as tensors of their own (its codes, not the dequantized weight: 1 byte
+    per weight), a block of rows at a time (the fp32 temporaries stay ~16 MB whatever the weight's size); each
+    block is checked to dequantize back to exactly the weight."""
     cols = q.columns()  # [in] column -> group
-    s = q.scale.float()[:, cols]  # [out, in]
-    z = q.zero_point.float()[:, cols] if q.zero_point is not None else None
-    codes = quantize_codes(q.weight.float(), s, z, spec)  # fp32 code values
-    if not torch.equal(dequantize_codes(codes, s, z, spec), q.weight.float()):
-        raise ConvertError(f"{r.name}: the quantized weight is not on its own grid (internal error)")
-    out = {f"{r.name}.codes": codes.to(torch.float8_e4m3fn if spec.type == "float" else torch.int8),
-           f"{r.name}.scale": q.scale.float()}
+    out_f, in_f = q.weight.shape
+    codes = torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn if spec.type == "float" else torch.int8)
+    step = max(1, (1 << 22) // max(in_f, 1))
+    for r in range(0, out_f, step):
+        w = q.weight[r:r + step].float()
+        s = q.scale[r:r + step].float()[:, cols]  # [rows, in]
+        z = q.zero_point[r:r + step].float()[:, cols] if q.zero_point is not None else None
+        c = quantize_codes(w, s, z, spec)  # fp32 code values
+        if not torch.equal(dequantize_codes(c, s, z, spec), w):
+            raise ConvertError(f"{name}: the quantized weight is not on its own grid (internal error)")
+        codes[r:r + step] = c.cpu()
+    out = {f"{name}.codes": codes, f"{name}.scale": q.scale.float()}
     if q.zero_point is not None:
-        out[f"{r.name}.zero_point"] = q.zero_point.to(torch.int8)
+        out[f"{name}.zero_point"] = q.zero_point.to(torch.int8)
     if q.g_idx is not None:
-        out[f"{r.name}.g_idx"] = q.g_idx.to(torch.int32)
+        out[f"{name}.g_idx"] = q.g_idx.to(torch.int32)
     if q.global_scale is not None:
-        out[f"{r.name}.global_scale"] = q.global_scale.float().reshape(1)
-    for k, v in r.rewritten.items():
-        out[k] = v
-    return {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}  # own storage each (g_idx is shared)
+        out[f"{name}.global_scale"] = q.global_scale.float().reshape(1)
+    return {k: v.detach().cpu().contiguous().clone() if k != f"{name}.codes" else v for k, v in out.items()}
+
+
+def compact(r: ModuleResult) -> None:
+    """Hold a module's result in its typed form from now on (the dequantized fp32 weight is dropped): for a
+    Llama-3.1-8B-shape layer 218 MB instead of 872 MB while the later groups are solved."""
+    if r.typed is None:
+        r.typed, r.weight = encode_weight(r.name, r.weight, r.spec), None
+
+
+def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
+    """One module's typed result and the float tensors it carries (`rewritten`), as tensors of their own."""
+    out = dict(r.typed) if r.typed is not None else encode_weight(r.name, r.weight, r.spec)
+    out.update({k: v.detach().cpu().contiguous().clone() for k, v in r.rewritten.items()})
+    return out
 
 
 def decode_weight(tensors: dict[str, torch.Tensor], name: str, spec: WeightSpec) -> QuantizedWeight:
