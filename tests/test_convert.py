@@ -363,3 +363,36 @@ def test_checkpoint_rows_match_the_whole_tensor(tiny_llama):
     for rows in ([0], [3, 4, 5, 9, 11, 12], list(range(whole.shape[0])), [whole.shape[0] - 1], []):
         r = torch.tensor(rows, dtype=torch.long)
         assert torch.equal(ckpt.get_rows(key, r), whole[r])
+
+
+def test_gptq_factoring_the_hessian_in_place_changes_no_weight(tiny_llama, calib_text, tmp_path, monkeypatch):
+    """With nothing reading a group's Hessian after its solve, GPTQ makes its factor in H's buffer and the
+    output SQNR comes from the signal measured before and GPTQ's own noise; with the registry saying GPTQ
+    reports no noise, H stays whole and the SQNR is the product with H. Every exported tensor is bit for bit
+    the same, and each module's output SQNR agrees to 0.01 dB (also in bf16, where the signal's products are
+    bf16 in both)."""
+    import dataclasses
+
+    from quantkit.algorithms import gptq, registry
+
+    consumed = []
+    real_factor = gptq.gptq_factor
+    monkeypatch.setattr(gptq, "gptq_factor", lambda H, *a, **kw: (consumed.append(kw.get("consume")),
+                                                                   real_factor(H, *a, **kw))[1])
+    stages = [{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "static"}]
+    outs = {}
+    for reports in (True, False):
+        monkeypatch.setitem(registry.METHODS, "gptq",
+                            dataclasses.replace(registry.METHODS["gptq"], reports_output_noise=reports))
+        r = tiny_recipe(tiny_llama, calib_text, stages)
+        outs[reports] = tmp_path / f"reports-{reports}"
+        consumed.clear()
+        api.convert(parse_recipe(r), outs[reports], quiet=True)
+        assert consumed and all(c is reports for c in consumed)  # 4 groups x 2 layers: every Hessian, or none
+    a, b = _layer_tensors(outs[True]), _layer_tensors(outs[False])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    la = json.loads((outs[True] / "manifest.json").read_text())["layers"]
+    lb = json.loads((outs[False] / "manifest.json").read_text())["layers"]
+    assert la.keys() == lb.keys() and la
+    for name in la:
+        assert la[name]["output_sqnr_db"] == pytest.approx(lb[name]["output_sqnr_db"], abs=0.01), name

@@ -275,3 +275,39 @@ def test_a_schemes_stored_bytes_are_what_its_export_writes(name, tmp_path, tiny_
     cfg = json.loads((tiny_llama / "config.json").read_text())
     spec = scheme.with_overrides(group_size=stage.get("group_size")).weights
     assert spec.stored_bytes(cfg["hidden_size"], cfg["intermediate_size"], 2) == written, names
+
+
+@pytest.mark.parametrize("actorder", ["none", "static", "group"])
+def test_gptq_output_noise_is_the_hessian_weighted_error(actorder):
+    """GPTQ's reported output noise (from its own losses) against tr(D H D^T) computed in float64 from the
+    inputs, D = W - Q: equal to 1e-5 relative, a dead input column included (H zero there)."""
+    X = _inputs(3000, 192)
+    X[:, 5] = 0.0
+    W = _weight(128, 192)
+    H = 2 * X.t() @ X / X.shape[0]
+    spec = get_scheme("W4A16").with_overrides(group_size=64).weights
+    res = gptq_quantize(W, H, spec, actorder=actorder)
+    D = (W - res.weight).double()
+    expected = float(((X.double() @ D.t()) ** 2).sum() * 2 / X.shape[0])
+    assert res.noise == pytest.approx(expected, rel=1e-5)  # 1e-5 of the noise: 4e-5 dB of SQNR
+
+
+def test_gptq_factor_made_in_the_hessians_buffer_is_the_same_factor():
+    """consume=True: the factor lives in H's own storage afterwards, and it and the sweep's result are bit for bit
+    those made from a copy; also where the first dampening fails and the buffer is made again from what the
+    factorisation left untouched (a rank-deficient H: 40 tokens for 96 inputs, a tiny dampening)."""
+    from quantkit.algorithms.gptq import gptq_factor, gptq_solve
+
+    spec = get_scheme("W4A16").with_overrides(group_size=32).weights
+    for X, frac in ((_inputs(2000, 96), 0.01), (_inputs(40, 96), 1e-9)):
+        H = 2 * X.t() @ X / X.shape[0]
+        kept = H.clone()
+        copy = gptq_factor(H, frac, "static")
+        assert torch.equal(H, kept)  # not consumed: untouched
+        inplace = gptq_factor(H, frac, "static", consume=True)
+        assert inplace.U_rev.data_ptr() == H.data_ptr()
+        assert torch.equal(inplace.U, copy.U) and inplace.damping == copy.damping
+        assert torch.equal(inplace.U, torch.triu(inplace.U))
+        W = _weight(64, 96)
+        assert torch.equal(gptq_solve(W, inplace, spec).weight, gptq_solve(W, copy, spec).weight)
+    assert copy.damping > 1e-9 * torch.diagonal(kept).mean().item() * 5  # the rank-deficient case did retry

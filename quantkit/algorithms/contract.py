@@ -25,6 +25,9 @@ class Observations:
 
     hessian: torch.Tensor | None = None  # [in, in] fp32, over every calibration token (quantizers that need it)
     sample: torch.Tensor | None = None  # [<= SQNR_TOKENS, in] the first calibration rows (diagnostics only)
+    # the quantizer may overwrite `hessian` (GPTQ makes its factor in H's buffer): set by the pipeline only where
+    # nothing reads H after the solve
+    consumable: bool = False
 
 
 @dataclass
@@ -42,6 +45,9 @@ class QuantizedWeight:
     # what was rounded to the codes, when it is not the original weight: GPTQ's error-compensated weight
     # [out, in] fp32 (a learned rounding starts from it; it is not exported, and freed with the layer)
     rounded: torch.Tensor | None = None
+    # tr((W - Q) H (W - Q)^T) over the calibration tokens' Hessian H, where the quantizer knows it without H
+    # (GPTQ: from its own losses); the pipeline's output SQNR then needs H only before the solve
+    output_noise: float | None = None
 
     def columns(self) -> torch.Tensor:
         """[in] column -> group: g_idx when there is one, else contiguous groups of equal size."""

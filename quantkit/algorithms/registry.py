@@ -46,6 +46,9 @@ class QuantizerMethod(Method):
     # layer's compute dtype, and the quantizer takes its fp32 copy of each in turn (one at a time in memory)
     quantize: Callable
     needs: Literal["hessian", "nothing"]
+    # its QuantizedWeights carry `output_noise`, and it makes its factor in the Hessian's buffer when the
+    # Observations allow (GPTQ): the pipeline then measures the output SQNR's signal before the solve
+    reports_output_noise: bool = False
     # what one stage's configuration needs, where it depends on it (autoround from RTN: no Hessian)
     needs_of: Callable[[object], Literal["hessian", "nothing"]] | None = None
     # a second pass over the whole decoder layer after its groups are quantized: (LayerProblem, stage,
@@ -100,7 +103,8 @@ def method_of(stage) -> Method:
 
 
 register(QuantizerMethod(name="rtn", stage=rtn.RTNStage, quantize=rtn.quantize, needs="nothing"))
-register(QuantizerMethod(name="gptq", stage=gptq.GPTQStage, quantize=gptq.quantize, needs="hessian"))
+register(QuantizerMethod(name="gptq", stage=gptq.GPTQStage, quantize=gptq.quantize, needs="hessian",
+                         reports_output_noise=True))
 register(QuantizerMethod(name="autoround", stage=autoround.AutoRoundStage, quantize=autoround.quantize, needs="hessian",
                          needs_of=autoround.needs,
                          refine_layer=autoround.refine_layer,

@@ -209,7 +209,7 @@ def activation_pre_hook(spec: ActivationSpec):
     return lambda _m, args: (fake_quantize_activations(args[0], spec),) + tuple(args[1:])
 
 
-SQNR_SLAB = 2048  # rows of H per product in output_sqnr_db
+SQNR_SLAB = 2048  # rows of H per product in hessian_energy
 
 
 def output_sqnr_db(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
@@ -219,28 +219,35 @@ def output_sqnr_db(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor, dtype: t
     this costs out x in^2 instead of tokens x in x out (and H's scale cancels in the ratio). As many flops as
     a GPTQ solve: `dtype` bfloat16 runs the two products in bf16 (sums in fp32) where it is native, ~6x the
     fp32 rate on AMX, for a figure within a few hundredths of a dB (tests/test_quant_math.py).
-    H is read a slab of rows at a time (symmetric: a slab of rows is a slab of columns), so the work memory is
-    the weight and its error in `dtype` plus [out, slab] products, never a copy of H (for Llama-3.1-8B's
-    down_proj: 411 MB of bf16 H and ~1 GB of fp32/fp64 temporaries less).
     """
-    out_f, in_f = w.shape
-    same = w.dtype == dtype and w.is_contiguous()
-    wc, dc = w if same else torch.empty(out_f, in_f, dtype=dtype), torch.empty(out_f, in_f, dtype=dtype)
-    step = max(1, (1 << 22) // max(in_f, 1))  # rows of the weight per conversion: ~16 MB of fp32 at a time
-    for r in range(0, out_f, step):
-        wr = w[r:r + step].float()
-        if not same:
-            wc[r:r + step] = wr
-        dc[r:r + step] = wr - deq[r:r + step].float()
-    signal = noise = torch.zeros((), dtype=torch.float64)
+    return energy_ratio_db(hessian_energy(w, H, dtype), hessian_energy(w, H, dtype, minus=deq))
+
+
+def energy_ratio_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise); inf for no noise."""
+    return float("inf") if noise <= 0 else 10 * math.log10(signal / noise)
+
+
+def hessian_energy(x: torch.Tensor, H: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   minus: torch.Tensor | None = None) -> float:
+    """tr(v H v^T) for v = x (or x - minus), [out, in]: with H ~ X^T X, the squared output of a Linear with weight
+    v over the tokens H came from. The products run in `dtype` (their sums in fp32, the total in fp64), H read
+    a slab of SQNR_SLAB rows at a time (symmetric: a slab of rows is a slab of columns), so besides v in
+    `dtype` the work memory is [out, slab] products, never a copy of H (for Llama-3.1-8B's down_proj: 411 MB
+    of bf16 H and ~1 GB of fp32/fp64 temporaries less than the whole products)."""
+    out_f, in_f = x.shape
+    same = minus is None and x.dtype == dtype and x.is_contiguous()
+    vc = x if same else torch.empty(out_f, in_f, dtype=dtype, device=x.device)
+    step = max(1, (1 << 22) // max(in_f, 1))  # rows per conversion: ~16 MB of fp32 at a time
+    if not same:
+        for r in range(0, out_f, step):
+            vc[r:r + step] = x[r:r + step].float() - (minus[r:r + step].float() if minus is not None else 0.0)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
     for c in range(0, in_f, SQNR_SLAB):
         Hs = H[c:c + SQNR_SLAB].to(dtype)  # [slab, in] = H[:, slab]^T
-        wf = w[:, c:c + SQNR_SLAB].float()
-        noise = noise + ((dc @ Hs.t()).float() * (wf - deq[:, c:c + SQNR_SLAB].float())).sum(dtype=torch.float64)
-        signal = signal + ((wc @ Hs.t()).float() * wf).sum(dtype=torch.float64)
-    if noise <= 0:
-        return float("inf")
-    return float(10 * torch.log10(signal / noise))
+        v = x[:, c:c + SQNR_SLAB].float() - (minus[:, c:c + SQNR_SLAB].float() if minus is not None else 0.0)
+        total += ((vc @ Hs.t()).float() * v).sum(dtype=torch.float64)
+    return float(total)
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:

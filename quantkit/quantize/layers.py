@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from quantkit.algorithms.gptq import HessianAccumulator
-from quantkit.algorithms.rtn import activation_pre_hook, output_sqnr_db, sqnr_db
+from quantkit.algorithms.rtn import activation_pre_hook, energy_ratio_db, hessian_energy, output_sqnr_db, sqnr_db
 from quantkit.distributed import SINGLE, ChunkFold, ChunkLayout, Ranks, deal, decode_json, encode_json, share
 from quantkit.plan import ConvertError, LayerPlan, Plan, Target
 from quantkit.algorithms.contract import ModuleResult, Observations, QuantizedWeight
@@ -118,7 +118,9 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
                    obs: Observations | None, fallback: QuantizerMethod | None = None) -> list[ModuleResult]:
     """Quantize one sequential group in place (weights replaced by their dequantized values), each member
     through its target's quantizer (or `fallback`: an expert's). `obs`: what the group's calibration inputs
-    taught (None: weights only, no calibration)."""
+    taught (None: weights only, no calibration); where it is `consumable` and one quantizer that reports its
+    output noise (GPTQ) solves the whole group, that quantizer may overwrite its Hessian, and `obs.hessian` is
+    None after."""
     out: list[ModuleResult] = []
     by_stage: dict[int, list[Target]] = {}
     for t in members:
@@ -129,13 +131,22 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
         mods = [layer_root.get_submodule(t.name[len(prefix):]) for t in targets]
         if method.needs_for(targets[0].stage.config) == "hessian" and obs.hessian is None:
             raise ConvertError(f"{targets[0].name}: {method.name} needs calibration inputs, and none reached this module")
-        pieces, seconds = _solve(method, mods, obs, targets[0].scheme.weights, targets[0].stage.config, job)
-        for t, m, q, sec in zip(targets, mods, pieces, seconds):
+        measured = obs.hessian is not None and method.refine_layer is None
+        signals = None
+        if measured and obs.consumable and method.reports_output_noise and len(by_stage) == 1:
+            with job.timing.measure("diagnostics"):  # the output SQNR's signal, while H is whole
+                signals = [hessian_energy(m.weight.detach(), obs.hessian, job.diagnostics_dtype) for m in mods]
+        pieces, seconds = _solve(method, mods, obs if signals is not None else dataclasses.replace(obs, consumable=False),
+                                 targets[0].scheme.weights, targets[0].stage.config, job)
+        if signals is not None:
+            obs.hessian = None  # its buffer holds the solver's factor now
+        for k, (t, m, q, sec) in enumerate(zip(targets, mods, pieces, seconds)):
             w = m.weight.detach()  # in the compute dtype: the diagnostics read it a block of rows at a time
             with job.timing.measure("diagnostics"):
                 stats = weight_stats(si, method.name, t.scheme.name, w, q, sec)
                 # a quantizer with a layer-level pass (autoround) measures there the weights it keeps
-                out_sqnr = output_sqnr(w, q.weight, obs, job) if method.refine_layer is None else None
+                out_sqnr = (_sqnr_from(signals[k], q, t.name) if signals is not None
+                            else output_sqnr(w, q.weight, obs, job) if measured else None)
                 if out_sqnr is not None:
                     stats["output_sqnr_db"] = out_sqnr
             m.weight.data = q.weight.to(m.weight.dtype)
@@ -143,6 +154,13 @@ def quantize_group(layer_root: nn.Module, prefix: str, members: list[Target], jo
                 job.on_weight(t.name, q.weight.detach().cpu().clone())
             out.append(ModuleResult(t.name, stats, q, t.scheme.weights))
     return out
+
+
+def _sqnr_from(signal: float, q: QuantizedWeight, name: str) -> float:
+    if q.output_noise is None:
+        raise ConvertError(f"{name}: the quantizer reported no output noise after overwriting the Hessian "
+                           "(internal error)")
+    return round(energy_ratio_db(signal, q.output_noise), 3)
 
 
 def output_sqnr(w: torch.Tensor, deq: torch.Tensor, obs: Observations, job: Job) -> float | None:
@@ -174,11 +192,12 @@ def _solve(method, mods: list[nn.Module], obs: Observations, spec, stage, job: J
     pieces, seconds = [], []
     for k in range(len(mods)):
         q = got.get(k)
-        t = share([q.weight, q.scale, q.zero_point, q.g_idx, encode_json({"stats": q.stats, "seconds": each}),
+        t = share([q.weight, q.scale, q.zero_point, q.g_idx,
+                   encode_json({"stats": q.stats, "seconds": each, "output_noise": q.output_noise}),
                    q.global_scale, q.rounded] if q is not None else None, owner[k], r)
         extra = decode_json(t[4])
-        pieces.append(q if q is not None else QuantizedWeight(t[0], t[1], t[2], t[3], extra["stats"],
-                                                              global_scale=t[5], rounded=t[6]))
+        pieces.append(q if q is not None else QuantizedWeight(t[0], t[1], t[2], t[3], extra["stats"], global_scale=t[5],
+                                                              rounded=t[6], output_noise=extra["output_noise"]))
         seconds.append(extra["seconds"])
     return pieces, seconds
 
@@ -321,8 +340,11 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
             for g, members in enumerate(plan.groups):
                 scheduler.advance()  # every chunk to group g's input
                 obs = groups.observations(g)
-                got = (experts.quantize(g, members, obs) if experts is not None and g in plan.experts
-                       else quantize_group(layer, plan.prefix, members, job, obs))
+                if experts is not None and g in plan.experts:
+                    got = experts.quantize(g, members, obs)
+                else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
+                    obs.consumable = refining is None or not any(t.name in refining.floats for t in members)
+                    got = quantize_group(layer, plan.prefix, members, job, obs)
                 if refining is not None:
                     refining.keep(members, obs)
                 obs = None
