@@ -58,7 +58,8 @@ def convert(name: str, out: Path, samples: int) -> dict:
     man = json.loads((out / "manifest.json").read_text())
     return {"run": name, "wall_s": round(wall, 1), "convert_s": man["conversion"]["wall_time_s"],
             "peak_rss_mb": round(man["conversion"]["peak_rss_bytes"] / 1e6), "size_mb": round(man["size_bytes"] / 1e6, 1),
-            "calibration_tokens": (man["calibration"] or {}).get("num_tokens")}
+            "calibration_tokens": (man["calibration"] or {}).get("num_tokens"),
+            "phases_s": man["conversion"].get("phases_s")}
 
 
 def perplexity(model_dir: Path) -> float:

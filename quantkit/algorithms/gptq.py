@@ -40,16 +40,19 @@ from quantkit.schemes import WeightSpec
 from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
 
 
-SLAB_ROWS = 4096  # rows of H computed per product: the work buffers are SLAB_ROWS x in, not in x in
+SLAB_ROWS = 512  # rows of H computed per product: the work buffers are SLAB_ROWS x in, not in x in
 
 
 class HessianAccumulator:
     """H = 2/n sum x x^T over calibration tokens, in fp32, accumulated chunk by chunk.
 
     H is symmetric, so only its lower triangle is computed, a slab of SLAB_ROWS rows at a time: the block left
-    of the diagonal by one matrix product, the diagonal block by BLAS `ssyrk` (scipy) on the CPU (half its
-    flops; a plain `mm` elsewhere). A chunk's product is added to the sum slab by slab (`add`), so no [in, in]
-    temporary is ever made: for Llama-3.1-8B's down_proj that is 822 MB less at the conversion's peak.
+    of the diagonal, and the diagonal block (whose upper half is computed and dropped), by one torch product
+    each. A chunk's product is added to the sum slab by slab (`add`), so no [in, in] temporary is ever made: for
+    Llama-3.1-8B's down_proj that is 822 MB less at the conversion's peak. (Not scipy's `ssyrk`, which did the
+    triangle in half the flops: OpenBLAS's threads spin for a while after each call, and on 2 cores the torch
+    work that follows then waited ~50 ms a call for a core; on 2 AMX cores torch's slabs of 512 rows took
+    9 / 51 / 324 ms per 4096-token chunk where ssyrk took 14 / 59 / 339 for 576 / 1536 / 4096 inputs.)
     Across processes (quantkit/distributed.py) each chunk's whole product is made by its owner (`partial`,
     from the same slab products) and added in chunk order on every rank (`fold`), which gives the sum here
     bit for bit: every element is the same product added to the same running sum. Read `H` for the full
@@ -127,25 +130,7 @@ def _lower_slabs(x: torch.Tensor):
         r1 = min(r0 + SLAB_ROWS, n)
         cols = x[:, r0:r1]
         left = torch.mm(cols.t(), x[:, :r0]) if r0 else None
-        yield r0, r1, left, _lower_gram(cols.contiguous())
-
-
-def _lower_gram(a: torch.Tensor) -> torch.Tensor:
-    """tril(a^T a) for a [tokens, k]: BLAS ssyrk (half the flops of a product) on the CPU, mm elsewhere."""
-    if a.device.type != "cpu":
-        return torch.mm(a.t(), a).tril_()
-    import numpy as np
-    from scipy.linalg.blas import ssyrk
-
-    out = torch.zeros(a.shape[1], a.shape[1])
-    # row-major [tokens, k] is column-major [k, tokens] = A; syrk: C = A A^T, upper triangle of C. C is the
-    # transposed (column-major) view of our row-major buffer, so the buffer's lower triangle is filled and its
-    # upper one stays zero
-    c = out.numpy().T
-    got = ssyrk(1.0, a.numpy().T, beta=0.0, c=c, trans=0, lower=0, overwrite_c=1)
-    if not np.shares_memory(got, c):  # f2py made a copy after all
-        c[...] = got
-    return out
+        yield r0, r1, left, torch.mm(cols.t(), cols).tril_()
 
 
 @dataclass
@@ -378,7 +363,7 @@ def _output_noise(W: torch.Tensor, Q: torch.Tensor, losses: torch.Tensor, f: Fac
     step = max(1, (1 << 22) // max(Q.shape[1], 1))
     for r in range(0, Q.shape[0], step):
         d = (W[r:r + step].float() - Q[r:r + step])[:, live]
-        sq += d.pow(2).sum(dtype=torch.float64)
+        sq += d.pow(2).sum(1).double().sum()
     return float(2 * losses.sum(dtype=torch.float64) - f.damping * sq)
 
 

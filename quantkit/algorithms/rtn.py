@@ -246,7 +246,7 @@ def hessian_energy(x: torch.Tensor, H: torch.Tensor, dtype: torch.dtype = torch.
     for c in range(0, in_f, SQNR_SLAB):
         Hs = H[c:c + SQNR_SLAB].to(dtype)  # [slab, in] = H[:, slab]^T
         v = x[:, c:c + SQNR_SLAB].float() - (minus[:, c:c + SQNR_SLAB].float() if minus is not None else 0.0)
-        total += ((vc @ Hs.t()).float() * v).sum(dtype=torch.float64)
+        total += ((vc @ Hs.t()).float() * v).sum(1).double().sum()  # fp32 within a row's slab, fp64 across
     return float(total)
 
 
