@@ -345,21 +345,8 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
         try:
             for g, members in enumerate(plan.groups):
                 scheduler.advance()  # every chunk to group g's input
-                obs = groups.observations(g)
-                if experts is not None and g in plan.experts:
-                    got = experts.quantize(g, members, obs)
-                else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
-                    obs.consumable = refining is None or not any(t.name in refining.floats for t in members)
-                    got = quantize_group(layer, plan.prefix, members, job, obs)
-                if refining is not None:
-                    refining.keep(members, obs)
-                obs = None
-                for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight
-                    if refining is None or r.name not in refining.floats:
-                        compact(r)
-                results += got
-                if sum(layer.get_submodule(t.name[len(plan.prefix):]).weight.numel() for t in members) >= TRIM_AFTER:
-                    release_free_memory()  # a large group's freed blocks, wherever in the heap they sit
+                results += _quantize_observed_group(layer, plan, g, members, job, groups.observations(g), experts,
+                                                    refining)
             scheduler.finish(out)
         finally:
             scheduler.close()
@@ -368,6 +355,26 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
             refining.run(results, out)
     _attach(plan, results, kv, smoothed)
     return results, out, float_next
+
+
+def _quantize_observed_group(layer: nn.Module, plan: LayerPlan, g: int, members: list[Target], job: Job,
+                             obs: Observations, experts, refining) -> list[ModuleResult]:
+    """Group g, once every chunk has shown it its inputs: quantized (by its experts' rules in a sparse block),
+    its observations kept for a layer pass that refines a member, and its results held in their typed form."""
+    if experts is not None and g in plan.experts:
+        got = experts.quantize(g, members, obs)
+    else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
+        obs.consumable = refining is None or not any(t.name in refining.floats for t in members)
+        got = quantize_group(layer, plan.prefix, members, job, obs)
+    if refining is not None:
+        refining.keep(members, obs)
+    for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight
+        if refining is None or r.name not in refining.floats:
+            compact(r)
+    if sum(layer.get_submodule(t.name[len(plan.prefix):]).weight.numel() for t in members) >= TRIM_AFTER:
+        del obs
+        release_free_memory()  # a large group's freed blocks, wherever in the heap they sit
+    return got
 
 
 def carries_float_stream(plan: Plan) -> bool:
