@@ -17,7 +17,8 @@ conversion comes to it. Prints one JSON document (and writes it to --json-out wh
    - solve (GPTQ): per sequential group (its members share one input, so one factor) 2/3 in^3 (a Cholesky
      factorisation and a triangular inverse), plus per weight out in^2 (the error feedback, column by column
      and block by block);
-   - diagnostics: 4 out in^2 per weight (the output SQNR from the Hessian: W H and (W-Q) H).
+   - diagnostics: 2 out in^2 per weight (the output SQNR's signal W H W^T from the Hessian; GPTQ reports the
+     noise (W-Q) H (W-Q)^T from its own losses).
    `achieved` is FLOPs / seconds, `of_peak` that over the peak of the dtype the phase computes in (the
    compute dtype for the forward, and for the diagnostics' products where it is bf16; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
    peak; `layers_over_ideal` the measured layer time over it. Phases not modelled (load, save, capture,
@@ -71,7 +72,7 @@ def layer_flops(shape: str, method: str, tokens: int, seq_len: int) -> dict[str,
     h = scale.SHAPES[shape]["hidden_size"]
     forward = 2 * tokens * sum(o * i for _, o, i, _ in lin) + 2 * tokens * seq_len * h
     out = {"forward": float(forward) if method == "gptq" else 0.0,
-           "diagnostics": float(sum(4 * o * i * i for _, o, i, _ in lin)) if method == "gptq" else 0.0}
+           "diagnostics": float(sum(2 * o * i * i for _, o, i, _ in lin)) if method == "gptq" else 0.0}
     if method == "gptq":
         group_in = {g: i for _, _, i, g in lin}
         out["hessian"] = float(sum(tokens * i * i for i in group_in.values()))
