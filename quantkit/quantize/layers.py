@@ -42,7 +42,7 @@ log = logging.getLogger("quantkit")
 # weights (elements) of a sequential group after whose solve the freed heap goes back to the OS: the solve's
 # freed blocks are then large, and re-faulting them costs little beside it; after every group of a small model it
 # cost 10% of SmolLM2's GPTQ conversion (the next chunks fault again), while on Llama-3.1-8B's shape it keeps the
-# down_proj group's peak from carrying the gate/up solve's heap (2 layers: 4.1 -> 3.5 GB, 3 runs each)
+# down_proj group's peak from carrying the gate/up solve's heap (2 layers: 4.1 GB in 2 runs without, 3.4-3.6 in 4 with)
 TRIM_AFTER = 16 << 20
 SQNR_TOKENS = 4096  # calibration tokens for the output SQNR of stages without a Hessian (RTN)
 
