@@ -34,7 +34,7 @@ from typing import Literal
 from pydantic import Field
 
 from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
-                                    quantize_codes)
+                                    quantize_codes, rows_per_block)
 from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
 from quantkit.schemes import WeightSpec
 from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
@@ -67,31 +67,17 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         """One chunk's inputs [..., in], added to the sum a slab at a time."""
-        x = self._rows(x)
         self._check_open()
-        for r0, r1, left, diag in _lower_slabs(x):
-            if left is not None:
-                self._acc[r0:r1, :r0].add_(left)
-            self._acc[r0:r1, r0:r1].add_(diag)
-        self.n += x.shape[0]
+        self.n += _add_lower_gram_(self._acc, x)
 
     def partial(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(X^T X of one chunk, lower triangle only, the rest zero; its token count): the product's buffer is
-        reused by the next call."""
-        x = self._rows(x)
+        reused by the next call. Each element is the product `add` would add (0 + p is p exactly)."""
         if self._part is None:
-            self._part = torch.zeros_like(self._acc)  # zeros: nothing here writes above the diagonal
-        for r0, r1, left, diag in _lower_slabs(x):
-            if left is not None:
-                self._part[r0:r1, :r0].copy_(left)
-            self._part[r0:r1, r0:r1].copy_(diag)
-        if x.shape[0] == 0:
+            self._part = torch.zeros_like(self._acc)
+        else:
             self._part.zero_()
-        return self._part, x.shape[0]
-
-    @staticmethod
-    def _rows(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1]).float().contiguous()  # [tokens, in]
+        return self._part, _add_lower_gram_(self._part, x)
 
     def _check_open(self) -> None:
         if self._final:
@@ -109,28 +95,26 @@ class HessianAccumulator:
         holds zeros until then), a slab of rows at a time: no [in, in] temporary."""
         if not self._final:  # first read: finish the sum once
             self._final, self._part = True, None
-            n = self._acc.shape[0]
-            for r0 in range(0, n, SLAB_ROWS):
-                r1 = min(r0 + SLAB_ROWS, n)
-                block = self._acc[r0:r1, r0:r1]
-                block.add_(torch.tril(block, -1).t())  # its upper part (zeros) += its lower part transposed
-                self._acc[r0:r1, r1:].copy_(self._acc[r1:, r0:r1].t())  # right of the block: the lower rows below
+            _lower_from_upper_(self._acc.t())  # the transposed view's lower triangle is our upper one
             self._acc.mul_(2.0 / max(self.n, 1))
         return self._acc
 
 
-def _lower_slabs(x: torch.Tensor):
-    """The lower triangle of x^T x ([tokens, in], contiguous) by slabs of rows: yields (r0, r1, left, diag) with
-    left = x[:, r0:r1]^T x[:, :r0] ([r1 - r0, r0]; None for the first slab) and diag the lower triangle of
-    x[:, r0:r1]^T x[:, r0:r1] (zeros above its diagonal): fresh tensors of at most SLAB_ROWS x in each."""
+def _add_lower_gram_(target: torch.Tensor, x: torch.Tensor) -> int:
+    """target += the lower triangle of x^T x (x [..., in], made [tokens, in] fp32), by slabs of SLAB_ROWS rows:
+    the slab's block left of the diagonal, x[:, r0:r1]^T x[:, :r0], and its diagonal block's lower triangle, each
+    a fresh product of at most SLAB_ROWS x in. Returns the token count."""
+    x = x.reshape(-1, x.shape[-1]).float().contiguous()  # [tokens, in]
     n = x.shape[1]
     if x.shape[0] == 0:
-        return
+        return 0
     for r0 in range(0, n, SLAB_ROWS):
         r1 = min(r0 + SLAB_ROWS, n)
         cols = x[:, r0:r1]
-        left = torch.mm(cols.t(), x[:, :r0]) if r0 else None
-        yield r0, r1, left, torch.mm(cols.t(), cols).tril_()
+        if r0:
+            target[r0:r1, :r0].add_(torch.mm(cols.t(), x[:, :r0]))
+        target[r0:r1, r0:r1].add_(torch.mm(cols.t(), cols).tril_())
+    return x.shape[0]
 
 
 @dataclass
@@ -160,7 +144,8 @@ def _inverse_cholesky(A: torch.Tensor, frac: float, max_tries: int = 6) -> tuple
     for attempt in range(max_tries + 1):
         if attempt:
             damp *= 10.0
-            _symmetric_from_upper_(A, diagonal)
+            _lower_from_upper_(A)  # what the failed try overwrote
+            A.diagonal().copy_(diagonal)
         A.diagonal().add_(damp)  # H + damp I, without an [in, in] identity
         Linv = _lower_cholesky_inverse_(A)
         if Linv is not None and torch.isfinite(Linv.sum()):  # (a NaN or inf anywhere makes the sum one)
@@ -170,16 +155,15 @@ def _inverse_cholesky(A: torch.Tensor, frac: float, max_tries: int = 6) -> tuple
                              "inputs of this layer are degenerate (too few tokens?)")
 
 
-def _symmetric_from_upper_(A: torch.Tensor, diagonal: torch.Tensor) -> None:
-    """A's lower triangle made the mirror of its strict upper one again, and its diagonal `diagonal`, a slab
-    of rows at a time (what a failed factorisation overwrote)."""
+def _lower_from_upper_(A: torch.Tensor) -> None:
+    """A's strict lower triangle made the mirror of its strict upper one, in place, a slab of rows at a time (no
+    [in, in] temporary); the diagonal is left as it is."""
     n = A.shape[0]
     for r0 in range(0, n, SLAB_ROWS):
         r1 = min(r0 + SLAB_ROWS, n)
         A[r0:r1, :r0] = A[:r0, r0:r1].t()
         block = A[r0:r1, r0:r1]
-        block.copy_(torch.triu(block, 1) + torch.triu(block, 1).t())
-    A.diagonal().copy_(diagonal)
+        block.copy_(torch.triu(block) + torch.triu(block, 1).t())
 
 
 def _lower_cholesky_inverse_(A: torch.Tensor) -> torch.Tensor | None:
@@ -360,7 +344,7 @@ def _output_noise(W: torch.Tensor, Q: torch.Tensor, losses: torch.Tensor, f: Fac
     its out x in^2 flops and without H, which the factor may have overwritten."""
     live = ~f.dead
     sq = torch.zeros((), dtype=torch.float64, device=Q.device)
-    step = max(1, (1 << 22) // max(Q.shape[1], 1))
+    step = rows_per_block(Q.shape[1])
     for r in range(0, Q.shape[0], step):
         d = (W[r:r + step].float() - Q[r:r + step])[:, live]
         sq += d.pow(2).sum(1).double().sum()
@@ -369,7 +353,7 @@ def _output_noise(W: torch.Tensor, Q: torch.Tensor, losses: torch.Tensor, f: Fac
 
 def _permute_columns_(M: torch.Tensor, order: torch.Tensor) -> None:
     """M[:, :] = M[:, order] in place, a block of rows (~16 MB) at a time: no second [out, in] matrix."""
-    step = max(1, (1 << 22) // max(M.shape[1], 1))
+    step = rows_per_block(M.shape[1])
     for r in range(0, M.shape[0], step):
         M[r:r + step] = M[r:r + step].index_select(1, order)
 

@@ -212,6 +212,12 @@ def activation_pre_hook(spec: ActivationSpec):
 SQNR_SLAB = 2048  # rows of H per product in hessian_energy
 
 
+def rows_per_block(width: int) -> int:
+    """Rows of a [rows, width] tensor per block when it is worked through a block at a time: about 4M
+    elements (16 MB of fp32), so the block's temporaries stay small whatever the tensor's size."""
+    return max(1, (1 << 22) // max(width, 1))
+
+
 def output_sqnr_db(w: torch.Tensor, deq: torch.Tensor, H: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
     """SQNR of a Linear's output over every calibration token, from the Hessian H ~ X^T X alone.
 
@@ -238,7 +244,7 @@ def hessian_energy(x: torch.Tensor, H: torch.Tensor, dtype: torch.dtype = torch.
     out_f, in_f = x.shape
     same = minus is None and x.dtype == dtype and x.is_contiguous()
     vc = x if same else torch.empty(out_f, in_f, dtype=dtype, device=x.device)
-    step = max(1, (1 << 22) // max(in_f, 1))  # rows per conversion: ~16 MB of fp32 at a time
+    step = rows_per_block(in_f)
     if not same:
         for r in range(0, out_f, step):
             vc[r:r + step] = x[r:r + step].float() - (minus[r:r + step].float() if minus is not None else 0.0)
@@ -257,7 +263,7 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     signal = noise = 0.0
     rows = ref.reshape(ref.shape[0], -1) if ref.dim() > 1 else ref.reshape(1, -1)
     other = approx.reshape(rows.shape)
-    step = max(1, (1 << 22) // max(rows.shape[1], 1))
+    step = rows_per_block(rows.shape[1])
     wide = torch.float64 if torch.float64 in (rows.dtype, other.dtype) else torch.float32
     for i in range(0, rows.shape[0], step):
         r = rows[i:i + step]

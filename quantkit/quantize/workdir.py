@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.algorithms.rtn import dequantize_codes, quantize_codes
+from quantkit.algorithms.rtn import dequantize_codes, quantize_codes, rows_per_block
 from quantkit.io import atomic_write_json
 from quantkit.plan import ConvertError, LayerPlan
 from quantkit.algorithms.contract import ModuleResult, QuantizedWeight
@@ -39,7 +39,7 @@ def encode_weight(name: str, q: QuantizedWeight, spec: WeightSpec) -> dict[str, 
     cols = q.columns()  # [in] column -> group
     out_f, in_f = q.weight.shape
     codes = torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn if spec.type == "float" else torch.int8)
-    step = max(1, (1 << 22) // max(in_f, 1))
+    step = rows_per_block(in_f)
     for r in range(0, out_f, step):
         w = q.weight[r:r + step].float()
         s = q.scale[r:r + step].float()[:, cols]  # [rows, in]
