@@ -27,6 +27,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from typing import Literal
@@ -35,6 +36,7 @@ from pydantic import Field
 
 from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
                                     quantize_codes, rows_per_block)
+from quantkit.algorithms import sweep_kernel
 from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
 from quantkit.schemes import WeightSpec
 from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
@@ -180,10 +182,9 @@ def _lower_cholesky_inverse_(A: torch.Tensor) -> torch.Tensor | None:
     from threadpoolctl import threadpool_limits
 
     # the row-major buffer read column-major is A^T = A; its upper factor R (A = R^T R) is, read back
-    # row-major, the lower L = R^T; and R^-1 read back is (R^-1)^T = L^-1. scipy's OpenBLAS keeps to torch's
-    # thread count: with its own default beside torch's pool on 2 loaded cores it ran 10x slower (measured)
+    # row-major, the lower L = R^T; and R^-1 read back is (R^-1)^T = L^-1
     f = A.numpy().T
-    with threadpool_limits(limits=torch.get_num_threads(), user_api="blas"):
+    with threadpool_limits(limits=lapack_threads(A.shape[0]), user_api="blas"):
         c, info = spotrf(f, lower=0, clean=0, overwrite_a=1)  # clean=0: the other triangle is left as it was
         if info != 0:
             return None
@@ -193,6 +194,20 @@ def _lower_cholesky_inverse_(A: torch.Tensor) -> torch.Tensor | None:
     if not np.shares_memory(inv, f):  # f2py made a copy after all
         f[...] = inv
     return A
+
+
+LAPACK_THREADED_FROM = 4096  # inputs from which the factorisation runs in torch's thread count, below in one
+
+
+def lapack_threads(n: int) -> int:
+    """Threads for scipy's OpenBLAS factorising an [n, n] Hessian. Its worker threads keep spinning for a while
+    after each call (OpenBLAS's default thread timeout, ~0.1 s), and on 2 cores the torch work that follows
+    then waits for a core: on the demo model (every input < 4096) the GPTQ conversion took 30.5 s with the
+    factorisations on 2 threads and 20.0 s on one, though one thread factorises a 1536 x 1536 Hessian in
+    28 ms where two take 16. From 4096 inputs on two threads save more than the spin costs (4096: 361 vs
+    170 ms, 8192: 2.6 vs 1.2 s). Never more than torch's own count (beside torch's pool, OpenBLAS's default
+    count ran 10x slower on 2 loaded cores)."""
+    return torch.get_num_threads() if n >= LAPACK_THREADED_FROM else 1
 
 
 @dataclass
@@ -292,48 +307,85 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     """The column sweep of one weight [out, in] with a shared factor. Rows are independent, so the result
     for a weight does not depend on which other weights share the factor. `search`: the MSE scale search,
     its errors weighted by diag(H) (the factor's) unless it brings its own column weights."""
-    original = W.detach()
-    W = original.to(torch.float32, copy=True)  # [out, in], one copy whatever the dtype
-    out_f, in_f = W.shape
+    return gptq_solve_stacked([W], f, spec, block_size, actorder, scale_dtype, search)[0]
+
+
+STACK_WEIGHTS = 16 << 20  # weights swept together at most: fp32 copies of W and Q of 128 MB
+
+
+def stackable(rows: list[int], actorder: str) -> bool:
+    """Whether weights with these row counts can be swept as one: every member but the last a whole number of
+    64-row runs, so that each member's rows meet the vector loops of every per-column operation at the
+    positions they meet them alone (bit-identical results, tests/test_quant_math.py); static groups only (group
+    act-order chooses NVFP4 scales under each weight's own global scale on the way)."""
+    return actorder != "group" and all(r % 64 == 0 for r in rows[:-1])
+
+
+def gptq_solve_stacked(weights: list[torch.Tensor], f: Factor, spec: WeightSpec, block_size: int = 128,
+                       actorder: str = "static", scale_dtype: torch.dtype = torch.bfloat16,
+                       search: ScaleSearch | None = None) -> list[GPTQResult]:
+    """One column sweep for several weights [out_k, in] that share a factor, their rows stacked: GPTQ's rows are
+    independent, so each weight's result is bit for bit the one it gets alone (where `stackable`), and the
+    sweep's per-column work (a dozen small tensor operations, whose cost on the CPU is their dispatch, not their
+    arithmetic) is paid once per column of the group instead of once per column of each weight."""
+    rows = [w.shape[0] for w in weights]
+    if len(weights) > 1 and not stackable(rows, actorder):
+        return [gptq_solve_stacked([w], f, spec, block_size, actorder, scale_dtype, search)[0] for w in weights]
+    originals = [w.detach() for w in weights]
+    in_f = originals[0].shape[1]
+    bounds = [(r0, r0 + r) for r0, r in zip([sum(rows[:k]) for k in range(len(rows))], rows)]
+    W = torch.empty(sum(rows), in_f, dtype=torch.float32, device=originals[0].device)  # one fp32 copy of all
+    for (r0, r1), w in zip(bounds, originals):
+        W[r0:r1].copy_(w)
     g = group_size_for(spec, in_f)
     W[:, f.dead] = 0.0
 
     # NVFP4's per-tensor global scale: from the whole original weight, also when groups are chosen on the way
-    gscale = nvfp4_global_scale(W) if spec.scale_format == "fp8" else None
-    # static groups (and none): scales from the original weight, fixed up front
+    # (static groups: compute_qparams takes it from each weight's own rows)
+    gscale = nvfp4_global_scale(W) if spec.scale_format == "fp8" and actorder == "group" else None
     if search is not None and search.column_weight is None and f.diag is not None:
         search = ScaleSearch(search.ratios, f.diag)
-    qp_static = (compute_qparams(W, spec, scale_dtype, global_scale=gscale, search=search)
-                 if actorder != "group" else None)
+    # static groups (and none): scales from each original weight, fixed up front
+    qps = ([compute_qparams(W[r0:r1], spec, scale_dtype, global_scale=gscale, search=search) for r0, r1 in bounds]
+           if actorder != "group" else None)
+    qp_static = None if qps is None else _stacked(qps)
     perm = f.perm
     if perm is not None:
         _permute_columns_(W, perm)
     Q = torch.zeros_like(W)
-    losses = torch.zeros(out_f, dtype=torch.float32, device=W.device)
+    losses = torch.zeros(W.shape[0], dtype=torch.float32, device=W.device)
     n_groups = in_f // g
     asym = not spec.symmetric and spec.type == "int"
     # each permuted column's group: static groups are the original columns' (fixed up front); group act-order's
     # are runs of g permuted columns, whose scales the sweep chooses when it reaches a group's first column
     col_group = (perm if perm is not None and qp_static is not None else torch.arange(in_f, device=W.device)) // g
-    group_scale = torch.empty(out_f, n_groups, device=W.device)
-    group_zp = torch.empty(out_f, n_groups, device=W.device) if asym else None
+    group_scale = torch.empty(W.shape[0], n_groups, device=W.device)
+    group_zp = torch.empty(W.shape[0], n_groups, device=W.device) if asym else None
 
     if search is not None and search.column_weight is not None and perm is not None:
         search = ScaleSearch(search.ratios, search.column_weight[perm])  # group act-order works in permuted order
     _column_loop(_Sweep(W, f, Q, losses, col_group, group_scale, group_zp, qp_static, spec, g, scale_dtype,
-                        gscale, search), block_size)
+                        gscale, search, bounds), block_size)
 
     g_idx = None
     if perm is not None:  # back to the original column order
         inv = torch.argsort(perm)
         _permute_columns_(Q, inv)
         _permute_columns_(W, inv)
-    if qp_static is not None:
-        qparams = qp_static
-    else:
-        qparams = QParams(group_scale, group_zp, g, gscale)
+    if qps is None:
+        qps = [QParams(group_scale, group_zp, g, gscale)]
         g_idx = (inv // g).to(torch.int32)  # original column -> group
-    return GPTQResult(Q, qparams, g_idx, losses, f.damping, W, _output_noise(original, Q, losses, f))
+    return [GPTQResult(Q[r0:r1], qp, g_idx, losses[r0:r1], f.damping, W[r0:r1],
+                       _output_noise(w, Q[r0:r1], losses[r0:r1], f))
+            for (r0, r1), qp, w in zip(bounds, qps, originals)]
+
+
+def _stacked(qps: list[QParams]) -> QParams:
+    """The members' static scales (and zero points) as one [sum out, n_groups] set, for the sweep to read."""
+    if len(qps) == 1:
+        return qps[0]
+    zp = None if qps[0].zero_point is None else torch.cat([qp.zero_point for qp in qps])
+    return QParams(torch.cat([qp.scale for qp in qps]), zp, qps[0].group_size)
 
 
 def _output_noise(W: torch.Tensor, Q: torch.Tensor, losses: torch.Tensor, f: Factor) -> float:
@@ -375,86 +427,95 @@ class _Sweep:
     scale_dtype: torch.dtype
     global_scale: torch.Tensor | None = None  # NVFP4
     search: ScaleSearch | None = None  # group act-order's scales, chosen on the way, by the MSE search
+    bounds: list[tuple[int, int]] | None = None  # each stacked weight's rows (None: one weight)
 
 
 def _column_loop(s: _Sweep, block_size: int) -> None:
-    """The GPTQ sweep over (permuted) columns, in blocks of `block_size`; updates W, Q, losses in place.
-
-    Inside a block the weights are held transposed ([b, out]) so that every column the sweep touches
-    is one contiguous row: about 2x faster on the CPU than strided column access. The block's column by
-    column work runs in one thread (thousands of tiny vector ops: OpenMP's synchronisation costs more than a
-    second thread gives), the update of the columns after it (a GEMM) in all.
-    """
+    """The GPTQ sweep over (permuted) columns, in blocks of `block_size`; updates W, Q, losses in place. Each
+    block's column by column work (`_compiled_block` or `_torch_block`) gives the block's errors [out, b]; the
+    columns after the block then take them in one product per stacked weight (a GEMM, in all threads)."""
     W = s.W
     in_f = W.shape[1]
+    compiled = sweep_kernel.kernel() if s.spec.type == "int" and W.device.type == "cpu" else None
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         U_rows = s.factor.rows(i1, i2)  # U[i1:i2, i1:]
-        scale, zp = (s.qp_static.scale, s.qp_static.zero_point) if s.qp_static is not None else (s.group_scale, s.group_zp)
-        cols = s.col_group[i1:i2]  # group act-order: a group starting inside the block is filled in by the sweep
-        b = _Block(W[:, i1:i2].t().contiguous(), U_rows[:, :i2 - i1], scale[:, cols].t().float().contiguous(),
-                   zp[:, cols].t().float().contiguous() if zp is not None and s.group_zp is not None else None)
-        with _threads(W.device):
-            _block_sweep(s, i1, i2, b)
-        s.Q[:, i1:i2] = b.Q.t()
-        W[:, i1:i2] = b.W.t()  # each column as it was rounded (nothing updates a column after its turn)
-        s.losses += b.E.pow(2).sum(0) / 2
-        W[:, i2:].addmm_(b.E.t(), U_rows[:, i2 - i1:], alpha=-1)  # -= [out, b] @ [b, in - i2], in place
+        if compiled is not None:  # (torch's thread count untouched: changing it costs ~1.5 ms a block)
+            E = _compiled_block(s, i1, i2, U_rows[:, :i2 - i1].contiguous(), compiled)
+        else:
+            with _threads(W.device):
+                E = _torch_block(s, i1, i2, U_rows[:, :i2 - i1])
+        s.losses += E.pow(2).sum(1) / 2
+        if i2 < in_f:  # -= [out, b] @ [b, in - i2], in place: one product per stacked weight, as it has alone
+            for r0, r1 in s.bounds or [(0, W.shape[0])]:
+                W[r0:r1, i2:].addmm_(E[r0:r1], U_rows[:, i2 - i1:], alpha=-1)
 
 
-class _Block:
-    """One block of the sweep, transposed ([b, out]): the weights, their results and errors, the block's
-    factor, scales and zero points per column."""
-
-    def __init__(self, W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, Z: torch.Tensor | None):
-        self.W, self.U, self.S, self.Z = W, U, S, Z
-        self.Q, self.E = torch.empty_like(W), torch.empty_like(W)
-
-
-def _block_sweep(s: _Sweep, i1: int, i2: int, b: _Block) -> None:
-    """The columns i1..i2, one at a time: round, then spread the error over the block's later columns."""
-    spec, g = s.spec, s.g
-    for i in range(i2 - i1):
-        col = i1 + i
-        if s.qp_static is None and col % g == 0:
-            _choose_group(s, b, i, col, i2)
-        w, q, err = b.W[i], b.Q[i], b.E[i]  # [out] each; q and err are written in place
-        _fake_quantize_into(q, w, b.S[i], b.Z[i] if b.Z is not None else None, spec)
-        torch.sub(w, q, out=err).div_(b.U[i, i])
-        b.W[i + 1:].addr_(b.U[i, i + 1:], err, alpha=-1)  # [b - i - 1, out] -= U1[i, i+1:] (x) err
+def _compiled_block(s: _Sweep, i1: int, i2: int, U: torch.Tensor, compiled) -> torch.Tensor:
+    """The block's columns by the compiled loop (quantkit/algorithms/sweep_kernel.py), on W and Q in place,
+    each row's block of columns in turn; group act-order's scales chosen at each group's first column.
+    Returns the block's errors [out, b]."""
+    E = torch.empty(s.W.shape[0], i2 - i1, dtype=torch.float32)
+    scale, zp = (s.qp_static.scale, s.qp_static.zero_point) if s.qp_static is not None else (s.group_scale, s.group_zp)
+    # static scales are only read (a contiguous copy will do); group act-order's are filled in place as it goes
+    S = scale.float().contiguous().numpy()
+    Z = zp.float().contiguous().numpy() if zp is not None else np.zeros((0, 0), dtype=np.float32)
+    groups = s.col_group.numpy()
+    starts = {i for i in range(i2 - i1) if s.qp_static is None and (i1 + i) % s.g == 0}
+    edges = sorted(starts | {0, i2 - i1})
+    for a, e in zip(edges, edges[1:]):
+        if a in starts:
+            _choose_group(s, i1 + a, s.W[:, i1 + a:i1 + a + s.g])
+        compiled((s.W.numpy(), s.Q.numpy(), E.numpy()), (S, Z, groups, s.spec.qmin, s.spec.qmax), U.numpy(), (i1, a, e))
+    return E
 
 
-def _choose_group(s: _Sweep, b: _Block, i: int, col: int, i2: int) -> None:
-    """Group act-order: the scale of the group starting at (permuted) column `col`, from its columns as the
-    sweep has updated them so far."""
+def _torch_block(s: _Sweep, i1: int, i2: int, U: torch.Tensor) -> torch.Tensor:
+    """The block's columns by torch calls, on the block held transposed ([b, out]: every column the sweep
+    touches one contiguous row, ~2x faster than strided columns). Every per-column view and constant is taken
+    once per block: the loop body is the arithmetic's few calls. Returns the block's errors [out, b]."""
+    spec, g, n, W = s.spec, s.g, i2 - i1, s.W
+    scale, zp = (s.qp_static.scale, s.qp_static.zero_point) if s.qp_static is not None else (s.group_scale, s.group_zp)
+    cols = s.col_group[i1:i2]  # group act-order: a group starting inside the block is filled in by the sweep
+    bW, S = W[:, i1:i2].t().contiguous(), scale[:, cols].t().float().contiguous()
+    Z = zp[:, cols].t().float().contiguous() if zp is not None else None
+    bQ, bE = torch.empty_like(bW), torch.empty_like(bW)
+    Ws, Qs, Es, Ss = bW.unbind(0), bQ.unbind(0), bE.unbind(0), S.unbind(0)  # [out] views, per column
+    Zs = Z.unbind(0) if Z is not None else [None] * n
+    d = U.diagonal().tolist()  # exact: fp32 values as Python floats, divided by as fp32
+    integer, lo, hi = spec.type == "int", spec.qmin, spec.qmax
+    for i in range(n):
+        if s.qp_static is None and (i1 + i) % g == 0:
+            current = torch.cat([bW[i:].t(), W[:, i2:i1 + i + g]], dim=1)[:, :g]  # [out, g] as updated so far
+            qp = _choose_group(s, i1 + i, current)
+            S[i:i + g] = qp.scale[:, 0]
+            if Z is not None:
+                Z[i:i + g] = qp.zero_point[:, 0]
+        w, q, err, sc, z = Ws[i], Qs[i], Es[i], Ss[i], Zs[i]  # q and err are written in place
+        if not integer:
+            q.copy_(dequantize_codes(quantize_codes(w, sc, z, spec), sc, z, spec))
+        elif z is None:  # q = dequantize(quantize(w)), as quantize_codes and dequantize_codes do it, in place
+            torch.div(w, sc, out=q).round_().clamp_(lo, hi).mul_(sc)
+        else:
+            torch.div(w, sc, out=q).round_().add_(z).clamp_(lo, hi).sub_(z).mul_(sc)
+        torch.sub(w, q, out=err).div_(d[i])
+        if i + 1 < n:
+            bW[i + 1:].addr_(U[i, i + 1:], err, alpha=-1)  # [b - i - 1, out] -= U1[i, i+1:] (x) err
+    s.Q[:, i1:i2] = bQ.t()
+    W[:, i1:i2] = bW.t()  # each column as it was rounded (nothing updates a column after its turn)
+    return bE.t()
+
+
+def _choose_group(s: _Sweep, col: int, current: torch.Tensor) -> QParams:
+    """Group act-order: the scale (and zero point) of the group starting at (permuted) column `col`, from its
+    columns as the sweep has updated them so far (`current`, [out, g]); kept in the sweep's group scales."""
     g, cw = s.g, s.search.column_weight if s.search is not None else None
-    block = torch.cat([b.W[i:].t(), s.W[:, i2:col + g]], dim=1)[:, :g]  # [out, g]
     search = None if s.search is None else ScaleSearch(s.search.ratios, cw[col:col + g] if cw is not None else None)
-    qp = compute_qparams(block, _as_channel(s.spec), s.scale_dtype, global_scale=s.global_scale, search=search)
-    n_in_block = min(g, i2 - col)
-    b.S[i:i + n_in_block] = qp.scale[:, 0]
+    qp = compute_qparams(current, _as_channel(s.spec), s.scale_dtype, global_scale=s.global_scale, search=search)
     s.group_scale[:, col // g] = qp.scale[:, 0]  # the group's later columns, in later blocks, read it there
     if s.group_zp is not None:
-        b.Z[i:i + n_in_block] = qp.zero_point[:, 0]
         s.group_zp[:, col // g] = qp.zero_point[:, 0]
-
-
-def _fake_quantize_into(q: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
-                        spec: WeightSpec) -> None:
-    """q = dequantize(quantize(w)), the same operations as `quantize_codes`/`dequantize_codes` but in place.
-
-    The sweep calls this once per column, so it avoids allocating: about 1.5x faster on the CPU.
-    """
-    if spec.type == "float":
-        q.copy_(dequantize_codes(quantize_codes(w, s, z, spec), s, z, spec))
-        return
-    torch.div(w, s, out=q).round_()
-    if z is not None:
-        q.add_(z)
-    q.clamp_(spec.qmin, spec.qmax)
-    if z is not None:
-        q.sub_(z)
-    q.mul_(s)
+    return qp
 
 
 @contextmanager
@@ -489,15 +550,28 @@ class GPTQStage(QuantizerStage, ScaleSearchOptions):
 
 def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, stage: GPTQStage,
              scale_dtype: torch.dtype, keep_rounded: bool = False) -> list[QuantizedWeight]:
-    """The group's weights share an input: one factorisation of its Hessian, then one sweep per weight
-    (each weight's result is the same whichever others share the call, which lets ranks split a group)."""
+    """The group's weights share an input: one factorisation of its Hessian, then their sweeps, stacked up to
+    STACK_WEIGHTS weights at a time (each weight's result is the same whichever others share the call, which
+    lets ranks split a group)."""
     out = []
     if weights:
         f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder, consume=obs.consumable)
-        for w in weights:
-            res = gptq_solve(w, f, spec, stage.block_size, stage.actorder, scale_dtype, stage.scale_search())
-            out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
-                                       {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
-                                       global_scale=res.qparams.global_scale,
-                                       rounded=res.rounded if keep_rounded else None, output_noise=res.noise))
+        for batch in _stacks(weights):
+            for res in gptq_solve_stacked(batch, f, spec, stage.block_size, stage.actorder, scale_dtype,
+                                          stage.scale_search()):
+                out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
+                                           {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
+                                           global_scale=res.qparams.global_scale,
+                                           rounded=res.rounded if keep_rounded else None, output_noise=res.noise))
     return out
+
+
+def _stacks(weights: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The weights in order, in runs of at most STACK_WEIGHTS weights (a larger one alone)."""
+    runs: list[list[torch.Tensor]] = []
+    for w in weights:
+        if runs and sum(x.numel() for x in runs[-1]) + w.numel() <= STACK_WEIGHTS:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
