@@ -369,3 +369,31 @@ def test_weights_swept_together_get_what_each_gets_alone(monkeypatch, rows, comp
                      (t.qparams.scale, alone.qparams.scale)]:
             assert torch.equal(a, b)
         assert t.noise == alone.noise
+
+
+def test_compiled_sweep_split_across_threads_is_the_same_sweep(monkeypatch):
+    """The compiled sweep's rows dealt to threads (whole tiles each, a ragged last one) give the bits one
+    thread gives: GPTQ's rows are independent, and no thread writes another's rows."""
+    import numpy as np
+
+    from quantkit.algorithms import sweep_kernel
+
+    compiled = sweep_kernel.kernel()
+    if compiled is None:
+        pytest.skip("numba is not installed here: GPTQ runs its torch loop only")
+    monkeypatch.setattr(sweep_kernel, "PARALLEL_ROWS", 64)
+    g = torch.Generator().manual_seed(3)
+    out, width, b = 300, 256, 128
+    U = (torch.randn(b, b, generator=g) * 0.1).triu_() + torch.eye(b) * 2
+    S = torch.rand(out, width // 64, generator=g) * 0.05 + 0.01
+    groups = (torch.arange(width) // 64).numpy()
+    results = []
+    for threads in (1, 3):
+        W = torch.randn(out, width, generator=torch.Generator().manual_seed(4))
+        Q, E = torch.zeros_like(W), torch.empty(out, b)
+        sweep_kernel.sweep(compiled, (W.numpy(), Q.numpy(), E.numpy()),
+                           (S.numpy(), np.zeros((0, 0), np.float32), groups, -8, 7), U.numpy(), (64, 0, b), threads)
+        results.append((W, Q, E))
+    (W1, Q1, E1), (W3, Q3, E3) = results
+    assert torch.equal(W1, W3) and torch.equal(Q1, Q3) and torch.equal(E1, E3)
+    assert Q1[:, 64:192].abs().gt(0).any() and not Q1[:, :64].any()  # the block's columns were swept, no others

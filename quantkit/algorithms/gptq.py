@@ -466,7 +466,8 @@ def _compiled_block(s: _Sweep, i1: int, i2: int, U: torch.Tensor, compiled) -> t
     for a, e in zip(edges, edges[1:]):
         if a in starts:
             _choose_group(s, i1 + a, s.W[:, i1 + a:i1 + a + s.g])
-        compiled((s.W.numpy(), s.Q.numpy(), E.numpy()), (S, Z, groups, s.spec.qmin, s.spec.qmax), U.numpy(), (i1, a, e))
+        sweep_kernel.sweep(compiled, (s.W.numpy(), s.Q.numpy(), E.numpy()), (S, Z, groups, s.spec.qmin, s.spec.qmax),
+                           U.numpy(), (i1, a, e), torch.get_num_threads())
     return E
 
 

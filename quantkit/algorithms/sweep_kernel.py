@@ -26,6 +26,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _KERNEL: Callable | None = None
+PARALLEL_ROWS = 512  # rows a thread at least: below, one thread (a handoff costs ~50 us, a column of 512 rows ~3)
+_POOL = None
 TILE = 64  # rows held transposed at a time: 64 x 128 columns x 4 bytes = 32 KB, within L1 + L2
 _TRIED = False
 
@@ -44,12 +46,38 @@ def kernel() -> Callable | None:
     return _KERNEL
 
 
+def sweep(compiled: Callable, arrays: tuple, grid: tuple, U: np.ndarray, cols: tuple[int, int, int],
+          threads: int) -> None:
+    """Columns `cols` = (i1, i_from, i_to) of a block for every row, the rows split into `threads` runs of
+    whole tiles swept at once (rows are independent: the result is the same for any split), when there are
+    at least PARALLEL_ROWS of them a thread; torch's threads are idle meanwhile."""
+    out = arrays[0].shape[0]
+    n = max(1, min(threads, out // PARALLEL_ROWS))
+    if n == 1:
+        compiled(arrays, grid, U, (*cols, 0, out))
+        return
+    step = -(-out // n // TILE) * TILE
+    runs = [(*cols, r, min(r + step, out)) for r in range(0, out, step)]
+    for f in [_pool(n).submit(compiled, arrays, grid, U, c) for c in runs]:
+        f.result()
+
+
+def _pool(n: int):
+    global _POOL
+    if _POOL is None or _POOL._max_workers < n:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qk-gptq-sweep")
+    return _POOL
+
+
 def _compile() -> Callable:
     import numba
 
     @numba.njit(nogil=True, cache=True, fastmath={"contract"})
     def sweep_int(arrays, grid, U, cols):  # pragma: no cover - compiled
-        """Columns i1 + i_from .. i1 + i_to (`cols`) of the block starting at column i1. `arrays` = (W, Q, E):
+        """Columns i1 + i_from .. i1 + i_to of the block starting at column i1, rows r_from .. r_to (`cols` =
+        (i1, i_from, i_to, r_from, r_to)). `arrays` = (W, Q, E):
         W [out, in] updated in place (each column keeps the value it was rounded from), Q [out, in] the
         dequantized codes, E [out, b] the errors over the factor's diagonal; `grid` = (S, Z, groups, lo, hi):
         the scales and zero points [out, groups] (Z of shape (0, 0): none), each column's group, the code
@@ -57,14 +85,14 @@ def _compile() -> Callable:
         column's rounding and update runs along contiguous memory."""
         W, Q, E = arrays
         S, Z, groups, lo, hi = grid
-        i1, i_from, i_to = cols
-        out, b = E.shape
+        i1, i_from, i_to, r_from, r_to = cols
+        b = E.shape[1]
         has_z = Z.shape[0] > 0
         flo, fhi = np.float32(lo), np.float32(hi)
         T = np.empty((b, TILE), dtype=np.float32)  # [column, row of the tile]
         err = np.empty(TILE, dtype=np.float32)
-        for r0 in range(0, out, TILE):
-            m = min(TILE, out - r0)
+        for r0 in range(r_from, r_to, TILE):
+            m = min(TILE, r_to - r0)
             for j in range(i_from, b):
                 for t in range(m):
                     T[j, t] = W[r0 + t, i1 + j]
@@ -94,5 +122,5 @@ def _compile() -> Callable:
     f32 = np.float32
     probe = np.ones((2, 2), dtype=f32)  # compile now (or load the cache), so a failure shows here
     sweep_int((probe.copy(), probe.copy(), probe.copy()), (probe.copy(), np.zeros((0, 0), f32), np.zeros(2, np.int64),
-              -8, 7), np.eye(2, dtype=f32), (0, 0, 2))
+              -8, 7), np.eye(2, dtype=f32), (0, 0, 2, 0, 2))
     return sweep_int
