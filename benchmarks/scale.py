@@ -113,9 +113,10 @@ def import_baseline_mb(cache: Path | None = None) -> float:
     (one per --work folder: the steps of one device check share it)."""
     if cache is not None and cache.is_file():
         return float(cache.read_text())
+    # (numba: GPTQ's compiled sweep, imported at the first solve, ~140 MB.)
     # quantkit.io.peak_rss_bytes (VmHWM), not ru_maxrss: Linux carries ru_maxrss across exec, so a child of a
     # process that has grown (one that wrote a checkpoint) would report the parent's size
-    code = ("import torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors, quantkit.io;"
+    code = ("import torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors, quantkit.io, numba;"
             "print(quantkit.io.peak_rss_bytes() / 2**20)")
     mb = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip())

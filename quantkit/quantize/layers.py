@@ -109,9 +109,15 @@ class GroupInputs:
             self._rows.append(payload[0])
 
     def observations(self) -> Observations:
+        """The group's statistics, once every chunk is in; this object lets go of them (and of its fold, whose
+        callback is one of its own methods: a reference cycle that would keep the Hessian's buffer, which GPTQ
+        then fills with its factor, until Python's cycle collector happened to run: on the 8B shape ~1 GB of
+        earlier groups' Hessians were still held at the next layer's down_proj solve)."""
         self._fold.finish()
-        return Observations(hessian=self.acc.H if self.acc is not None else None,
-                            sample=torch.cat(self._rows) if self._rows else None)
+        obs = Observations(hessian=self.acc.H if self.acc is not None else None,
+                           sample=torch.cat(self._rows) if self._rows else None)
+        self._fold, self.acc, self._rows = None, None, []
+        return obs
 
 
 def weight_stats(stage: int, method: str, scheme: str, w: torch.Tensor, q: QuantizedWeight, seconds: float) -> dict:
