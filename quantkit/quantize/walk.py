@@ -242,7 +242,9 @@ def capture_layer_inputs(model: nn.Module, arch: ArchSpec, ckpt: LazyCheckpoint,
     finally:
         for i in range(len(layers)):
             layers[i] = originals[i]
-    return torch.cat(first_hidden), kwargs_by_size
+    hidden = torch.cat(first_hidden)
+    first_hidden.clear()  # the Recorder class holds the list (a class is a reference cycle): its chunks go now
+    return hidden, kwargs_by_size
 
 
 @contextlib.contextmanager
