@@ -397,3 +397,16 @@ def test_compiled_sweep_split_across_threads_is_the_same_sweep(monkeypatch):
     (W1, Q1, E1), (W3, Q3, E3) = results
     assert torch.equal(W1, W3) and torch.equal(Q1, Q3) and torch.equal(E1, E3)
     assert Q1[:, 64:192].abs().gt(0).any() and not Q1[:, :64].any()  # the block's columns were swept, no others
+
+
+@pytest.mark.parametrize("shape", [(300, 1000), (3000, 1500), (7,)])  # one block, several blocks (ragged), a vector
+def test_weight_sqnr_matches_a_float64_sum(shape):
+    """sqnr_db (row norms in fp32, summed in float64) against the whole sum taken in float64: within 1e-4 dB,
+    for a bf16 reference against its fp32 approximation and for float64 inputs."""
+    g = torch.Generator().manual_seed(5)
+    ref = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
+    approx = ref.float() + torch.randn(*shape, generator=g) * 0.02
+    exact = 10 * math.log10((ref.double() ** 2).sum().item() / ((ref.double() - approx.double()) ** 2).sum().item())
+    assert sqnr_db(ref, approx) == pytest.approx(exact, abs=1e-4)
+    assert sqnr_db(ref.double(), approx.double()) == pytest.approx(exact, abs=1e-9)
+    assert sqnr_db(ref, ref.float()) == float("inf")

@@ -82,7 +82,8 @@ class TensorJob:
 def quantize_one(job: TensorJob, t: Target) -> tuple[dict[str, torch.Tensor], dict]:
     """One module: its export tensors (compressed-tensors names) and the manifest's stats for it."""
     with job.timing.measure("load"):
-        w = job.source.get(t.name + ".weight").to(device=job.device, dtype=job.compute, copy=True).float()
+        # (a tensor of its own, read from the file: cast to the compute dtype without another copy)
+        w = job.source.get(t.name + ".weight").to(device=job.device, dtype=job.compute).float()
     t0 = time.perf_counter()
     with job.timing.measure("solve"):
         q = t.quantizer.quantize([w], Observations(), t.scheme.weights, t.stage.config, job.scale_dtype)[0]
