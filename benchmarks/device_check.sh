@@ -40,6 +40,10 @@ PYVERSIONS="3.10 3.11 3.12 3.13"
 IMAGE="torch==2.13.0 transformers==5.17.* safetensors scipy accelerate"  # the simulated image's Python side
 # the resolver brings these in through typer (0.29 requires pydantic); the device image has none of them
 NOT_IN_IMAGE="pydantic pydantic-core annotated-types typing-inspection"
+# imported only inside a try, with a fallback that does the same work, so neither carried nor needed there:
+# numba compiles GPTQ's CPU column sweep; on the GPU (and in the simulated image) the torch loop runs
+# (tests/test_device_check.py runs GPTQ with it blocked)
+OPTIONAL="numba"
 
 fetch_wheels() {  # $1: the python whose pip downloads; skipped when the folder already holds this exact set
   local py=$1 want="$PURE $BINARY for $PYVERSIONS"

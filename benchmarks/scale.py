@@ -113,10 +113,13 @@ def import_baseline_mb(cache: Path | None = None) -> float:
     (one per --work folder: the steps of one device check share it)."""
     if cache is not None and cache.is_file():
         return float(cache.read_text())
-    # (numba: GPTQ's compiled sweep, imported at the first solve, ~140 MB.)
+    # (numba: GPTQ's compiled sweep, imported at the first solve where it is installed, ~140 MB; the device
+    # image has none and runs the torch loop.)
     # quantkit.io.peak_rss_bytes (VmHWM), not ru_maxrss: Linux carries ru_maxrss across exec, so a child of a
     # process that has grown (one that wrote a checkpoint) would report the parent's size
-    code = ("import torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors, quantkit.io, numba;"
+    code = ("import importlib.util, torch, transformers, quantkit.convert, quantkit.quantize.layers, compressed_tensors,"
+            " quantkit.io;"
+            "importlib.util.find_spec('numba') and __import__('numba');"
             "print(quantkit.io.peak_rss_bytes() / 2**20)")
     mb = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip())
