@@ -20,7 +20,8 @@ conversion comes to it. Prints one JSON document (and writes it to --json-out wh
    - diagnostics: 2 out in^2 per weight (the output SQNR's signal W H W^T from the Hessian; GPTQ reports the
      noise (W-Q) H (W-Q)^T from its own losses).
    `achieved` is FLOPs / seconds, `of_peak` that over the peak of the dtype the phase computes in (the
-   compute dtype for the forward, and for the diagnostics' products where it is bf16; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
+   compute dtype for the forward, and for the diagnostics' and, on the CPU, the Hessian's products where it is
+   bf16; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
    peak; `layers_over_ideal` the measured layer time over it. Phases not modelled (load, save, capture,
    transforms, refine) have their seconds and no FLOPs.
 4. Memory: the conversion's peak RSS against its bound, part by part (scale.py's `bound_parts_mb`: the imports,
@@ -80,8 +81,9 @@ def layer_flops(shape: str, method: str, tokens: int, seq_len: int) -> dict[str,
     return out
 
 
-def roofline(phases: dict, flops_per_layer: dict, layers: int, peaks: dict, compute: str) -> dict:
-    """Per phase: seconds, FLOPs, achieved GFLOP/s and the fraction of the peak of its dtype."""
+def roofline(phases: dict, flops_per_layer: dict, layers: int, peaks: dict, compute: str, device: str = "cpu") -> dict:
+    """Per phase: seconds, FLOPs, achieved GFLOP/s and the fraction of the peak of its dtype (the Hessian's
+    products run on bf16 dot products where the compute dtype is bf16 on the CPU: quantkit/algorithms/gptq.py)."""
     rows, ideal = {}, 0.0
     for phase, seconds in sorted(phases.items()):
         if phase == "layer":
@@ -89,7 +91,8 @@ def roofline(phases: dict, flops_per_layer: dict, layers: int, peaks: dict, comp
         flops = flops_per_layer.get(phase, 0.0) * layers
         row = {"seconds": seconds}
         if flops:
-            in_compute = phase == "forward" or (phase == "diagnostics" and compute == "bfloat16")
+            in_compute = phase == "forward" or (compute == "bfloat16" and (
+                phase == "diagnostics" or (phase == "hessian" and device == "cpu")))
             peak = peaks[compute if in_compute else "float32"]
             row.update(gflop=round(flops / 1e9, 1), achieved_gflops=round(flops / max(seconds, 1e-9) / 1e9, 1),
                        of_peak=round(flops / max(seconds, 1e-9) / 1e9 / peak, 3), ideal_s=round(flops / peak / 1e9, 2))
@@ -131,7 +134,8 @@ def main() -> None:
            "peak_rss_mb": r["peak_rss_mb"], "peak_at_start_mb": r["peak_at_start_mb"],
            "peak_raised_mb": r["peak_raised_mb"], "bound_parts_mb": parts,
            "peak_over_bound": round(r["peak_rss_mb"] / sum(parts.values()), 3), **roofline(r["phases_s"], flops, int(layers), peaks,
-                                                      compute if compute in peaks else "float32")}
+                                                      compute if compute in peaks else "float32",
+                                                      "cuda" if str(args.device).startswith("cuda") else "cpu")}
     text = json.dumps(doc, indent=2)
     if args.json_out:
         args.json_out.write_text(text + "\n")

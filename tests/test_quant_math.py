@@ -251,6 +251,35 @@ def test_hessian_by_slabs_is_the_symmetric_gram_matrix(monkeypatch, slab):
     assert torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_inputs_hessian_runs_on_bf16_products_with_fp32_sums(monkeypatch, dtype):
+    """bf16 calibration inputs (bf16 compute) have their Hessian products made on bf16 dot products (oneDNN's
+    bf16 mode for fp32 matmuls), fp32 inputs never; either way H is 2/n X^T X within 1e-5 of a float64 sum of
+    the same inputs (bf16 products are exact in fp32, only the sums round), and the mode is put back after.
+    The path is forced here so it is checked on a CPU without native bf16 too (oneDNN then computes in fp32)."""
+    from quantkit.algorithms import gptq
+
+    monkeypatch.setattr(gptq, "_cpu_bf16_dots", lambda: True)
+    modes = []
+    real_mm = torch.mm
+
+    def spy(a, b):
+        modes.append(torch.backends.mkldnn.matmul.fp32_precision)
+        return real_mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    X = (_inputs(1500, 640) * 3).to(dtype)  # 640 inputs: two slabs, one ragged
+    acc = HessianAccumulator(640)
+    for chunk in X.split(512):
+        acc.add(chunk)
+    ref = 2 * X.double().t() @ X.double() / X.shape[0]
+    assert modes and set(modes) == {"bf16" if dtype == torch.bfloat16 else before}
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    err = ((acc.H.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_a_schemes_stored_bytes_are_what_its_export_writes(name, tmp_path, tiny_llama):
     """WeightSpec.stored_bytes (what sensitivity's size budget counts) against the bytes the export really

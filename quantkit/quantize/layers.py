@@ -86,7 +86,7 @@ class GroupInputs:
 
     def add(self, x: torch.Tensor) -> None:
         """One of this rank's chunks (in order)."""
-        x2 = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in], in the compute dtype: the Hessian's products use it
         if self.hessian:
             if self.acc is None:
                 self.acc = HessianAccumulator(x2.shape[-1], device=x2.device)
@@ -97,7 +97,7 @@ class GroupInputs:
             self._fold.add([part, torch.tensor([n])])
         else:  # the rows of this chunk among the first SQNR_TOKENS of the whole batch
             keep = max(0, min(x2.shape[0], SQNR_TOKENS - self.layout.token_offset(self._fold.index())))
-            self._fold.add([x2[:keep].clone()])
+            self._fold.add([x2[:keep].to(torch.float32, copy=True)])
 
     def _fold_hessian(self, payload) -> None:
         if self.acc is None:  # a rank that has not seen a chunk of this group yet
