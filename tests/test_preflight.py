@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_recipe, write_recipe
 from quantkit.convert import convert
@@ -85,6 +86,13 @@ def test_small_model_carries_every_layer_layout_of_a_mixed_recipe(tiny_llama, tm
     real = json.loads((Path(r.model.path) / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == real["hidden_size"]
     assert (small / "tokenizer.json").is_file() or (small / "tokenizer_config.json").is_file()
+    # made in the stored dtype, with the seeded N(0, 0.02) matrices the engine loads
+    from safetensors.torch import load_file
+    stored = {k: v for f in small.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    mats = [v for v in stored.values() if v.ndim == 2]
+    assert mats and all(v.dtype == torch.bfloat16 for v in stored.values())
+    std = torch.cat([v.float().reshape(-1) for v in mats]).std().item()
+    assert 0.019 < std < 0.021, std
 
 
 class _Server:
