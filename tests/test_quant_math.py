@@ -400,6 +400,36 @@ def test_weights_swept_together_get_what_each_gets_alone(monkeypatch, rows, comp
         assert t.noise == alone.noise
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("case", range(4))
+def test_a_sweep_that_keeps_no_rounded_copy_gets_the_same_result(monkeypatch, case, compiled):
+    """keep_rounded=False (the pipeline's GPTQ: the result written over the weight's fp32 copy, no second
+    [out, in] buffer) against the sweep that keeps both: codes, scales, losses and output noise bit for bit the
+    same, for every act-order, a stack of weights and a member off the 64-row grid, whichever loop runs."""
+    from quantkit.algorithms import gptq, sweep_kernel
+
+    if compiled and sweep_kernel.kernel() is None:
+        pytest.skip("numba is not installed here: GPTQ runs its torch loop only")
+    if not compiled:
+        monkeypatch.setattr(sweep_kernel, "kernel", lambda: None)
+    spec, actorder = _sweep_cases()[case]
+    X = _inputs(1024, 256)
+    weights = [_weight(r, 256, seed=k).to(torch.bfloat16) for k, r in enumerate([128, 72])]
+    results = {}
+    for keep in (True, False):
+        f = gptq.gptq_factor(2 * X.t() @ X / X.shape[0], actorder=actorder)
+        results[keep] = gptq.gptq_solve_stacked(weights, f, spec, 64, actorder, keep_rounded=keep)
+    for kept, lean, w in zip(results[True], results[False], weights):
+        assert lean.rounded is None and kept.rounded is not None and lean.weight.shape == w.shape
+        assert not torch.equal(kept.rounded, kept.weight)  # the two differ: the lean one must not keep the rounded values
+        for a, b in [(kept.weight, lean.weight), (kept.qparams.scale, lean.qparams.scale), (kept.loss, lean.loss)]:
+            assert torch.equal(a, b)
+        assert (kept.g_idx is None) == (lean.g_idx is None)
+        if kept.g_idx is not None:
+            assert torch.equal(kept.g_idx, lean.g_idx)
+        assert kept.noise == lean.noise
+
+
 def test_compiled_sweep_split_across_threads_is_the_same_sweep(monkeypatch):
     """The compiled sweep's rows dealt to threads (whole tiles each, a ragged last one) give the bits one
     thread gives: GPTQ's rows are independent, and no thread writes another's rows."""

@@ -47,17 +47,19 @@ def kernel() -> Callable | None:
 
 
 def sweep(compiled: Callable, arrays: tuple, grid: tuple, U: np.ndarray, cols: tuple[int, int, int],
-          threads: int) -> None:
+          threads: int, keep_rounded: bool = True) -> None:
     """Columns `cols` = (i1, i_from, i_to) of a block for every row, the rows split into `threads` runs of
     whole tiles swept at once (rows are independent: the result is the same for any split), when there are
-    at least PARALLEL_ROWS of them a thread; torch's threads are idle meanwhile."""
+    at least PARALLEL_ROWS of them a thread; torch's threads are idle meanwhile. `keep_rounded` False: W and Q
+    may be one array (the swept columns end holding Q, not the values they were rounded from)."""
     out = arrays[0].shape[0]
     n = max(1, min(threads, out // PARALLEL_ROWS))
+    keep = 1 if keep_rounded else 0
     if n == 1:
-        compiled(arrays, grid, U, (*cols, 0, out))
+        compiled(arrays, grid, U, (*cols, 0, out, keep))
         return
     step = -(-out // n // TILE) * TILE
-    runs = [(*cols, r, min(r + step, out)) for r in range(0, out, step)]
+    runs = [(*cols, r, min(r + step, out), keep) for r in range(0, out, step)]
     for f in [_pool(n).submit(compiled, arrays, grid, U, c) for c in runs]:
         f.result()
 
@@ -77,15 +79,15 @@ def _compile() -> Callable:
     @numba.njit(nogil=True, cache=True, fastmath={"contract"})
     def sweep_int(arrays, grid, U, cols):  # pragma: no cover - compiled
         """Columns i1 + i_from .. i1 + i_to of the block starting at column i1, rows r_from .. r_to (`cols` =
-        (i1, i_from, i_to, r_from, r_to)). `arrays` = (W, Q, E):
-        W [out, in] updated in place (each column keeps the value it was rounded from), Q [out, in] the
-        dequantized codes, E [out, b] the errors over the factor's diagonal; `grid` = (S, Z, groups, lo, hi):
+        (i1, i_from, i_to, r_from, r_to, keep)). `arrays` = (W, Q, E):
+        W [out, in] updated in place (with keep = 1 each swept column keeps the value it was rounded from; with
+        keep = 0 it is not written back, so Q may be W itself), Q [out, in] the dequantized codes, E [out, b] the errors over the factor's diagonal; `grid` = (S, Z, groups, lo, hi):
         the scales and zero points [out, groups] (Z of shape (0, 0): none), each column's group, the code
         range; U the block's [b, b] factor rows. A tile of TILE rows at a time is held transposed, so that every
         column's rounding and update runs along contiguous memory."""
         W, Q, E = arrays
         S, Z, groups, lo, hi = grid
-        i1, i_from, i_to, r_from, r_to = cols
+        i1, i_from, i_to, r_from, r_to, keep = cols
         b = E.shape[1]
         has_z = Z.shape[0] > 0
         flo, fhi = np.float32(lo), np.float32(hi)
@@ -115,12 +117,12 @@ def _compile() -> Callable:
                     u = -U[i, j]
                     for t in range(m):
                         T[j, t] = T[j, t] + u * err[t]
-            for j in range(i_from, b):
+            for j in range(i_from if keep else i_to, b):
                 for t in range(m):
                     W[r0 + t, i1 + j] = T[j, t]
 
     f32 = np.float32
     probe = np.ones((2, 2), dtype=f32)  # compile now (or load the cache), so a failure shows here
     sweep_int((probe.copy(), probe.copy(), probe.copy()), (probe.copy(), np.zeros((0, 0), f32), np.zeros(2, np.int64),
-              -8, 7), np.eye(2, dtype=f32), (0, 0, 2, 0, 2))
+              -8, 7), np.eye(2, dtype=f32), (0, 0, 2, 0, 2, 1))
     return sweep_int
