@@ -368,11 +368,8 @@ def gptq_solve_stacked(weights: list[torch.Tensor], f: Factor, spec: WeightSpec,
         return [gptq_solve_stacked([w], f, spec, block_size, actorder, scale_dtype, search, keep_rounded)[0]
                 for w in weights]
     originals = [w.detach() for w in weights]
-    in_f = originals[0].shape[1]
-    bounds = [(r0, r0 + r) for r0, r in zip([sum(rows[:k]) for k in range(len(rows))], rows)]
-    W = torch.empty(sum(rows), in_f, dtype=torch.float32, device=originals[0].device)  # one fp32 copy of all
-    for (r0, r1), w in zip(bounds, originals):
-        W[r0:r1].copy_(w)
+    W, bounds = _fp32_stack(originals)
+    in_f = W.shape[1]
     g = group_size_for(spec, in_f)
     W[:, f.dead] = 0.0
 
@@ -415,6 +412,16 @@ def gptq_solve_stacked(weights: list[torch.Tensor], f: Factor, spec: WeightSpec,
     return [GPTQResult(Q[r0:r1], qp, g_idx, losses[r0:r1], f.damping, W[r0:r1] if keep_rounded else None,
                        _output_noise(w, Q[r0:r1], losses[r0:r1], f))
             for (r0, r1), qp, w in zip(bounds, qps, originals)]
+
+
+def _fp32_stack(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """One fp32 copy of the weights' rows, stacked, and each weight's (first, end) rows in it."""
+    rows = [w.shape[0] for w in weights]
+    bounds = [(r0, r0 + r) for r0, r in zip([sum(rows[:k]) for k in range(len(rows))], rows)]
+    W = torch.empty(sum(rows), weights[0].shape[1], dtype=torch.float32, device=weights[0].device)
+    for (r0, r1), w in zip(bounds, weights):
+        W[r0:r1].copy_(w)
+    return W, bounds
 
 
 def _stacked(qps: list[QParams]) -> QParams:
