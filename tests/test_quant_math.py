@@ -421,7 +421,8 @@ def test_a_sweep_that_keeps_no_rounded_copy_gets_the_same_result(monkeypatch, ca
         results[keep] = gptq.gptq_solve_stacked(weights, f, spec, 64, actorder, keep_rounded=keep)
     for kept, lean, w in zip(results[True], results[False], weights):
         assert lean.rounded is None and kept.rounded is not None and lean.weight.shape == w.shape
-        assert not torch.equal(kept.rounded, kept.weight)  # the two differ: the lean one must not keep the rounded values
+        # the two differ, so a lean sweep that wrote the rounded values back would show below
+        assert not torch.equal(kept.rounded, kept.weight)
         for a, b in [(kept.weight, lean.weight), (kept.qparams.scale, lean.qparams.scale), (kept.loss, lean.loss)]:
             assert torch.equal(a, b)
         assert (kept.g_idx is None) == (lean.g_idx is None)

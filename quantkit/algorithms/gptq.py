@@ -608,7 +608,7 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
                 out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
                                            {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
                                            global_scale=res.qparams.global_scale,
-                                           rounded=res.rounded if keep_rounded else None, output_noise=res.noise))
+                                           rounded=res.rounded, output_noise=res.noise))
     return out
 
 

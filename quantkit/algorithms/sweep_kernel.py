@@ -81,7 +81,8 @@ def _compile() -> Callable:
         """Columns i1 + i_from .. i1 + i_to of the block starting at column i1, rows r_from .. r_to (`cols` =
         (i1, i_from, i_to, r_from, r_to, keep)). `arrays` = (W, Q, E):
         W [out, in] updated in place (with keep = 1 each swept column keeps the value it was rounded from; with
-        keep = 0 it is not written back, so Q may be W itself), Q [out, in] the dequantized codes, E [out, b] the errors over the factor's diagonal; `grid` = (S, Z, groups, lo, hi):
+        keep = 0 it is not written back, so Q may be W itself), Q [out, in] the dequantized codes, E [out, b]
+        the errors over the factor's diagonal; `grid` = (S, Z, groups, lo, hi):
         the scales and zero points [out, groups] (Z of shape (0, 0): none), each column's group, the code
         range; U the block's [b, b] factor rows. A tile of TILE rows at a time is held transposed, so that every
         column's rounding and update runs along contiguous memory."""
