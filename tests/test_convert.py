@@ -85,10 +85,13 @@ def test_export_reloads_like_fake_quant(tiny_llama, calib_text, tmp_path, stages
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
-def test_architecture_specs(tmp_path, calib_text, model_type):
+def test_architecture_specs(tmp_path, calib_text, model_type, caplog):
     model_dir = make_tiny_model(tmp_path / model_type, model_type)
     out = tmp_path / "out"
-    r, cap = _convert(model_dir, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}], out)
+    with caplog.at_level("WARNING", logger="quantkit"):
+        r, cap = _convert(model_dir, calib_text, [{"method": "gptq", "scheme": "W4A16", "group_size": 16}], out)
+    # each spec's groups follow its forward: no weight dropped behind the chunks is read again
+    assert not [m for m in caplog.messages if "after its group was passed" in m]
     assert len(cap) == 2 * 7  # every decoder Linear of both layers
     ref, got = fake_quant_model(model_dir, r, cap), _reload(out)
     a, b = _logits(ref), _logits(got)
@@ -396,3 +399,79 @@ def test_gptq_factoring_the_hessian_in_place_changes_no_weight(tiny_llama, calib
     assert la.keys() == lb.keys() and la
     for name in la:
         assert la[name]["output_sqnr_db"] == pytest.approx(lb[name]["output_sqnr_db"], abs=0.01), name
+
+
+def test_weights_the_chunks_have_passed_are_dropped_and_the_export_is_unchanged(tiny_llama, calib_text, tmp_path,
+                                                                                 monkeypatch, caplog):
+    """While a group is solved, the modules of the groups before it hold no weight (every chunk is past them:
+    for an 8B layer, 304 MB less at down_proj's solve), and the export is bit for bit the one made with every
+    weight kept; no dropped weight is read again (the guard's warning never fires). Chunks of 3+3+2 samples,
+    so the drop happens with several chunks paused."""
+    from quantkit.quantize import layers
+
+    seen: list[tuple[str, set[str]]] = []
+    real_group = layers.quantize_group
+
+    def spy(layer_root, prefix, members, *a, **kw):
+        meta = {n for n, m in layer_root.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.is_meta}
+        seen.append((members[0].name[len(prefix):], meta))
+        return real_group(layer_root, prefix, members, *a, **kw)
+
+    monkeypatch.setattr(layers, "quantize_group", spy)
+    stages = [{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "static"}]
+    outs = {}
+    for drop in (True, False):
+        if not drop:
+            monkeypatch.setattr(layers._PassedWeights, "drop", lambda self, plan, results: None)
+        r = tiny_recipe(tiny_llama, calib_text, stages)
+        r["calibration"]["batch_size"] = 3
+        outs[drop] = tmp_path / f"drop-{drop}"
+        seen.clear()
+        with caplog.at_level("WARNING", logger="quantkit"):
+            api.convert(parse_recipe(r), outs[drop], quiet=True)
+        if drop:  # Llama's groups in forward order: q/k/v, o, gate/up, down, in each of the 2 layers
+            attn = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+            expected = [set(), attn, attn | {"self_attn.o_proj"}, attn | {"self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"}]
+            assert [m for _, m in seen] == expected * 2, seen
+        else:
+            assert all(not m for _, m in seen)
+    assert not [m for m in caplog.messages if "after its group was passed" in m]
+    a, b = _layer_tensors(outs[True]), _layer_tensors(outs[False])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_dropped_weight_read_again_is_put_back_bit_for_bit(caplog):
+    """A forward that reaches a dropped module (a plan whose group order differs from the forward's) gets the
+    weight back from the typed result, equal to the dequantized weight it held, and the log says so."""
+    from quantkit.algorithms import rtn
+    from quantkit.algorithms.contract import ModuleResult, Observations
+    from quantkit.quantize.layers import _PassedWeights
+    from quantkit.quantize.workdir import compact
+    from quantkit.schemes import SCHEMES
+
+    torch.manual_seed(0)
+    root = torch.nn.Sequential()
+    root.add_module("proj", torch.nn.Linear(256, 32, bias=True).to(torch.bfloat16))  # two groups of 128
+    spec = SCHEMES["W4A16"].weights
+    stage = rtn.RTNStage(method="rtn", scheme="W4A16")
+    q = rtn.quantize([root.proj.weight.detach()], Observations(), spec, stage, torch.bfloat16)[0]
+    deq = q.weight.to(torch.bfloat16)
+    root.proj.weight.data = deq.clone()
+    res = ModuleResult("model.layers.0.proj", {}, q, spec)
+    compact(res)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, deq, root.proj.bias)
+    passed = _PassedWeights()
+    passed.install(root)
+    passed.drop(_Prefix("model.layers.0."), [res])  # drop reads only the plan's prefix
+    assert root.proj.weight.is_meta
+    with caplog.at_level("WARNING", logger="quantkit"):
+        got = root(x)
+    assert torch.equal(got, want) and torch.equal(root.proj.weight, deq)
+    assert any("after its group was passed" in m for m in caplog.messages)
+    passed.remove()
+
+
+class _Prefix:
+    def __init__(self, prefix: str):
+        self.prefix = prefix

@@ -119,20 +119,21 @@ def _mapped(path: Path) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to see memory maps")
 def test_lazy_checkpoint_keeps_no_file_mapped(tmp_path: Path):
-    """A file kept open stays memory-mapped and its read pages count in RSS; the reader closes each file.
-
-    (safetensors hands out tensors backed by the mapping itself, so a mapping lives as long as its
-    tensors: `materialize` copies them into the compute dtype, which lets it go.)"""
+    """A mapped file's read pages count in RSS: the reader reads each tensor's bytes into its own memory, so
+    no mapping exists even while the tensors it returned are alive (safetensors' own tensors are backed by
+    one, which held every tensor twice while it was copied out)."""
     ts = {"x.weight": torch.randn(64, 64), "y.weight": torch.randn(8)}
     save_file(ts, str(tmp_path / "model.safetensors"))
     ckpt = LazyCheckpoint(tmp_path)
     assert ckpt.layout("x.weight") == ("F32", (64, 64))
     got = ckpt.get_many(["x.weight", "y.weight"])
     assert torch.equal(got["x.weight"], ts["x.weight"]) and torch.equal(ckpt.get("y.weight"), ts["y.weight"])
-    del got
     assert not _mapped(tmp_path / "model.safetensors")
+    got["x.weight"].add_(1.0)  # its own memory: writable, and the file is untouched
+    assert torch.equal(ckpt.get("x.weight"), ts["x.weight"])
+    del got
     layer = torch.nn.Linear(64, 64, bias=False, device="meta")
-    materialize(layer, "x.", ckpt, torch.float32)  # same dtype as stored: still a private copy
+    materialize(layer, "x.", ckpt, torch.float32)  # same dtype as stored: the tensor read, no second copy
     assert torch.equal(layer.weight, ts["x.weight"]) and not _mapped(tmp_path / "model.safetensors")
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt"):  # the check can see a mapping
         assert _mapped(tmp_path / "model.safetensors")
@@ -154,3 +155,38 @@ def test_peak_rss_is_the_process_own(tmp_path: Path):
     child = int(out.stdout)
     assert 0 < child < 200 * 1024 * 1024, child  # a bare interpreter: tens of MB, not the parent's 400+
     del ballast
+
+
+def test_every_dtype_reads_back_exactly_and_rows_alone(tmp_path: Path):
+    """The reader against the safetensors library on every dtype the writer knows (empty and 0-d tensors
+    included), and a tensor's rows read run by run against the whole tensor's."""
+    ts = _tensors()
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    ckpt = LazyCheckpoint(tmp_path)
+    got = ckpt.get_many(list(ts))
+    assert all(_same(got[k], ts[k]) for k in ts)
+    rows = torch.tensor([0, 1, 2, 7, 9, 10, 32])
+    assert _same(ckpt.get_rows("a.weight", rows), ts["a.weight"][rows])
+    assert _same(ckpt.get_rows("a.weight", rows[:0]), ts["a.weight"][:0])
+
+
+def test_stored_tensors_are_copied_from_their_file_without_being_read_whole(tmp_path: Path):
+    """A ref that says where its bytes lie is copied from there: the export file is byte for byte the one
+    written from the tensors, and the tensor itself is never made (its reader would fail)."""
+    ts = _tensors()
+    save_file(ts, str(tmp_path / "src.safetensors"))
+    ckpt = LazyCheckpoint(tmp_path, [tmp_path / "src.safetensors"])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_shards(tmp_path / "a", [ref_from_tensor(k, v) for k, v in ts.items()], 1 << 30)
+
+    def never() -> torch.Tensor:
+        raise AssertionError("read whole")
+
+    spanned = [TensorRef(r.name, r.dtype, r.shape, never, r.span) for r in refs_from_checkpoint(ckpt)]
+    assert all(r.span is not None for r in spanned)
+    write_shards(tmp_path / "b", spanned, 1 << 30)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    bad = TensorRef("a.weight", "F32", (33, 8), never, ckpt.stored_span("a.weight"))  # a layout the bytes do not fit
+    with pytest.raises(ValueError, match="a.weight: 924 bytes stored in src.safetensors, 1056 expected"):
+        write_file(tmp_path / "bad.safetensors", [bad])

@@ -18,9 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from quantkit.export.compressed_tensors import compress_linear, quantization_config, write_config
+from quantkit.export.compressed_tensors import compress_by_rows, quantization_config, write_config
 from quantkit.export.manifest import MANIFEST, RunFacts, build_manifest
 from quantkit.export.shards import refs_from_checkpoint, write_shards
 from quantkit.io import atomic_write_json, peak_rss_bytes
@@ -40,18 +40,31 @@ def compress_results(plan: Plan, typed_files: list[Path], out_dir: Path, scale_d
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     for layer, path in zip(plan.layers, typed_files):
-        typed, tensors = split_layer(load_file(str(path)), layer)  # tensors starts as the rewritten floats
-        for t in layer.targets:  # one module's fp32 weight in memory at a time
-            q = decode_weight(typed, t.name, t.scheme.weights)
-            tensors.update(compress_linear(t.name, q.weight, q.scale, q.zero_point, q.g_idx, t.ct_scheme, scale_dtype,
-                                           q.global_scale))
-            del q
+        stored = LazyCheckpoint(path.parent, [path])
+        typed, tensors = split_layer(stored.get_many(stored.keys()), layer)  # tensors starts as the rewritten floats
+        for t in layer.targets:  # a block of one module's rows in fp32 at a time
+            tensors.update(_compress_module(typed, t, scale_dtype))
         dest = out_dir / path.name
         tmp = out_dir / f".{path.name}.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         tmp.replace(dest)
         files.append(dest)
     return files
+
+
+def _compress_module(typed: dict[str, torch.Tensor], t, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One module's compressed tensors from its typed fields, decoded and compressed a block of rows at a time."""
+    from quantkit.quantize.workdir import decode_weight
+
+    spec = t.scheme.weights
+    whole = decode_weight(typed, t.name, spec, slice(0, 0))  # no rows: the per-column g_idx and the global scale
+
+    def rows_of(rows: slice):
+        q = decode_weight(typed, t.name, spec, rows)
+        return q.weight, q.scale, q.zero_point
+
+    return compress_by_rows(t.name, tuple(typed[f"{t.name}.codes"].shape), rows_of, whole.g_idx, t.ct_scheme,
+                            scale_dtype, whole.global_scale)
 
 
 def write_artifact(export_dir: Path, model_dir: Path, source: LazyCheckpoint, produced: LazyCheckpoint, plan: Plan,

@@ -26,6 +26,7 @@ class RotatedCheckpoint(LazyCheckpoint):
     def __init__(self, source: LazyCheckpoint, config, arch: ArchSpec, stage):
         self.folder = source.folder
         self._where, self._layout = dict(source._where), dict(source._layout)  # the same files and headers
+        self._span = dict(source._span)
         self.arch = arch
         refuse_rotation(arch, stage)
         self.offset = float(arch.extra.get("norm_offset", 0.0))
@@ -98,6 +99,12 @@ class RotatedCheckpoint(LazyCheckpoint):
         if key in self._rules or key == self.lm_head:
             return self.get(key).index_select(0, rows)
         return super().get_rows(key, rows)
+
+    def stored_span(self, key: str):
+        """None for a tensor this view computes (rotated, or the embedding read as an untied head)."""
+        if key in self._rules or key == self.lm_head or self._stored_name(key) != key:
+            return None
+        return super().stored_span(key)
 
     def _stored_name(self, key: str) -> str:
         return self.arch.embed + ".weight" if (key == self.lm_head and self.untied) else key

@@ -36,7 +36,7 @@ from quantkit.model.checkpoint import to_layer_device
 from quantkit.quantize.timing import PhaseTimes
 from quantkit.quantize.walk import ChunkScheduler, LayerInput, Walk, observing, pause_chunk
 from quantkit.io import release_free_memory
-from quantkit.quantize.workdir import WorkDir, compact
+from quantkit.quantize.workdir import WorkDir, compact, decode_weight
 
 log = logging.getLogger("quantkit")
 # weights (elements) of a sequential group after whose solve the freed heap goes back to the OS: the solve's
@@ -89,6 +89,8 @@ class GroupInputs:
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, in], in the compute dtype: the Hessian's products use it
         if self.hessian:
             if self.acc is None:
+                if x2.shape[-1] ** 2 >= TRIM_AFTER:  # about to hold a large H: first the heap's free pages back
+                    release_free_memory()
                 self.acc = HessianAccumulator(x2.shape[-1], device=x2.device)
             if self.layout.ranks.world == 1:  # straight into the sum: no [in, in] product of the chunk alone
                 self.acc.add(x2)
@@ -312,6 +314,51 @@ class _ActivationQuant:
             h.remove()
 
 
+class _PassedWeights:
+    """The weights every chunk has gone past, dropped while the later groups are solved.
+
+    Once every chunk waits at group g's input, the groups before it are behind them all (the plan's groups
+    follow the layer's forward order), and what a later step reads of theirs is the typed result the layer
+    keeps, not the dequantized weight in the module: for a Llama-3.1-8B-shape layer that is q/k/v/o and
+    gate/up, 304 MB of bf16 at down_proj's solve, where the conversion's peak sits (its 822 MB Hessian).
+    Not used where a layer-level pass re-runs the whole layer afterwards (autoround). Should a forward still
+    reach a dropped module (a plan whose group order differed from the forward's), a guard puts the weight
+    back from the typed result first, bit for bit the value it had (its codes dequantize exactly to it), and
+    says so in the log."""
+
+    def __init__(self):
+        self.layer: nn.Module | None = None
+        self.dropped: dict[str, tuple[nn.Module, ModuleResult, torch.dtype, torch.device]] = {}
+        self.handles: dict[str, object] = {}
+
+    def install(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def remove(self) -> None:
+        for h in self.handles.values():
+            h.remove()
+        self.handles.clear()
+
+    def drop(self, plan: LayerPlan, results: list[ModuleResult]) -> None:
+        """Every finished result's module weight (the chunks are past them all), replaced by a meta stand-in."""
+        for r in results:
+            if r.name in self.dropped:
+                continue
+            m = self.layer.get_submodule(r.name[len(plan.prefix):])
+            w = m.weight
+            self.dropped[r.name] = (m, r, w.dtype, w.device)
+            m.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+            self.handles[r.name] = m.register_forward_pre_hook(lambda _m, _a, name=r.name: self._restore(name))
+
+    def _restore(self, name: str) -> None:
+        m, r, dtype, device = self.dropped[name]
+        log.warning("%s: read by the layer's forward after its group was passed; its weight is put back from the "
+                    "result (the plan's group order differs from the forward's)", name)
+        q = r.weight if r.typed is None else decode_weight(r.typed, r.name, r.spec)
+        m.weight = nn.Parameter(q.weight.to(device=device, dtype=dtype), requires_grad=False)
+        self.handles.pop(name).remove()
+
+
 def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
               inp: LayerInput) -> tuple[list[ModuleResult], torch.Tensor | None, torch.Tensor | None]:
     """Quantize one layer; return its results, the next layer's input (this rank's chunks) and, where `inp`
@@ -343,7 +390,8 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
     experts = _ExpertCalibration(plan, job) if plan.moe is not None else None
     kv_policy = job.plan.kv_cache  # k/v scales from the keys and values these (quantized-model) chunks feed attention
     kv = KVObserver(plan.prefix, kv_policy.attention, kv_policy.strategy, layout) if kv_policy is not None else None
-    observers = [groups, _ActivationQuant(plan), *(o for o in (experts, kv) if o is not None)]
+    passed = _PassedWeights() if refining is None else None  # a layer pass re-runs every weight
+    observers = [groups, _ActivationQuant(plan), *(o for o in (experts, kv, passed) if o is not None)]
     scheduler = ChunkScheduler(layer, pieces)
     out = torch.empty_like(inp.hidden)
     results: list[ModuleResult] = []
@@ -351,6 +399,8 @@ def run_layer(layer: nn.Module, plan: LayerPlan, job: Job,
         try:
             for g, members in enumerate(plan.groups):
                 scheduler.advance()  # every chunk to group g's input
+                if passed is not None:
+                    passed.drop(plan, results)
                 results += _quantize_observed_group(layer, plan, g, members, job, groups.observations(g), experts,
                                                     refining)
             scheduler.finish(out)
@@ -367,6 +417,9 @@ def _quantize_observed_group(layer: nn.Module, plan: LayerPlan, g: int, members:
                              obs: Observations, experts, refining) -> list[ModuleResult]:
     """Group g, once every chunk has shown it its inputs: quantized (by its experts' rules in a sparse block),
     its observations kept for a layer pass that refines a member, and its results held in their typed form."""
+    large = sum(layer.get_submodule(t.name[len(plan.prefix):]).weight.numel() for t in members) >= TRIM_AFTER
+    if large:  # the solve's fp32 copies come next: the heap's free pages back first
+        release_free_memory()
     if experts is not None and g in plan.experts:
         got = experts.quantize(g, members, obs)
     else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
@@ -377,7 +430,7 @@ def _quantize_observed_group(layer: nn.Module, plan: LayerPlan, g: int, members:
     for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight
         if refining is None or r.name not in refining.floats:
             compact(r)
-    if sum(layer.get_submodule(t.name[len(plan.prefix):]).weight.numel() for t in members) >= TRIM_AFTER:
+    if large:
         del obs
         release_free_memory()  # a large group's freed blocks, wherever in the heap they sit
     return got

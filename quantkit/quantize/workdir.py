@@ -72,11 +72,14 @@ def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
     return out
 
 
-def decode_weight(tensors: dict[str, torch.Tensor], name: str, spec: WeightSpec) -> QuantizedWeight:
-    """The QuantizedWeight a layer file holds for module `name` (weight dequantized exactly, fp32)."""
-    codes, zp, g_idx = tensors[f"{name}.codes"].float(), tensors.get(f"{name}.zero_point"), tensors.get(f"{name}.g_idx")
+def decode_weight(tensors: dict[str, torch.Tensor], name: str, spec: WeightSpec,
+                  rows: slice = slice(None)) -> QuantizedWeight:
+    """The QuantizedWeight a layer file holds for module `name` (weight dequantized exactly, fp32), or for the
+    block `rows` of its rows (g_idx and the global scale are the whole weight's: they are per column / tensor)."""
+    codes, zp, g_idx = tensors[f"{name}.codes"][rows].float(), tensors.get(f"{name}.zero_point"), tensors.get(f"{name}.g_idx")
+    zp = zp[rows] if zp is not None else None
     gs = tensors.get(f"{name}.global_scale")
-    q = QuantizedWeight(codes, tensors[f"{name}.scale"].float(), zp.float() if zp is not None else None,
+    q = QuantizedWeight(codes, tensors[f"{name}.scale"][rows].float(), zp.float() if zp is not None else None,
                         g_idx.long() if g_idx is not None else None,  # weight holds the codes until dequantized
                         global_scale=gs.float().reshape(()) if gs is not None else None)
     cols = q.columns()  # [in] column -> group
