@@ -170,9 +170,26 @@ def test_every_dtype_reads_back_exactly_and_rows_alone(tmp_path: Path):
     assert _same(ckpt.get_rows("a.weight", rows[:0]), ts["a.weight"][:0])
 
 
-def test_stored_tensors_are_copied_from_their_file_without_being_read_whole(tmp_path: Path):
+@pytest.mark.parametrize("kernel", ["copy_file_range", "fails after its first piece", "absent"])
+def test_stored_tensors_are_copied_from_their_file_without_being_read_whole(tmp_path: Path, monkeypatch, kernel):
     """A ref that says where its bytes lie is copied from there: the export file is byte for byte the one
-    written from the tensors, and the tensor itself is never made (its reader would fail)."""
+    written from the tensors, and the tensor itself is never made (its reader would fail). By the kernel's
+    copy, by the buffered fallback where it fails part way (pieces of 40 bytes, so it does), or where there
+    is none."""
+    import os
+
+    if kernel == "absent":
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    elif kernel == "fails after its first piece":
+        real, calls = os.copy_file_range, []
+
+        def flaky(src, dst, count, offset_src=None):
+            calls.append(count)
+            if len(calls) > 1:
+                raise OSError(18, "Invalid cross-device link")
+            return real(src, dst, min(count, 40), offset_src)
+
+        monkeypatch.setattr(os, "copy_file_range", flaky)
     ts = _tensors()
     save_file(ts, str(tmp_path / "src.safetensors"))
     ckpt = LazyCheckpoint(tmp_path, [tmp_path / "src.safetensors"])
@@ -187,6 +204,25 @@ def test_stored_tensors_are_copied_from_their_file_without_being_read_whole(tmp_
     assert all(r.span is not None for r in spanned)
     write_shards(tmp_path / "b", spanned, 1 << 30)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    if kernel == "fails after its first piece":
+        assert len(calls) >= 2
     bad = TensorRef("a.weight", "F32", (33, 8), never, ckpt.stored_span("a.weight"))  # a layout the bytes do not fit
     with pytest.raises(ValueError, match="a.weight: 924 bytes stored in src.safetensors, 1056 expected"):
         write_file(tmp_path / "bad.safetensors", [bad])
+
+
+def test_a_short_write_is_continued():
+    """An unbuffered write() may take less than it is given: the writer goes on from where it stopped."""
+    from quantkit.export.shards import _write_all
+
+    class Trickle:
+        def __init__(self):
+            self.got = bytearray()
+
+        def write(self, b):
+            self.got += bytes(b[:7])
+            return min(7, len(b))
+
+    f, data = Trickle(), bytes(range(256)) * 3
+    _write_all(f, data)
+    assert bytes(f.got) == data
