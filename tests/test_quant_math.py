@@ -277,6 +277,30 @@ def test_hessian_by_slabs_is_the_symmetric_gram_matrix(monkeypatch, slab):
     assert torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [160, 190])  # bands of whole slabs: 64 + 96, and 64 + 126 with a ragged last slab
+def test_bf16_inputs_hessian_holds_half_of_them_in_fp32(monkeypatch, n):
+    """Inputs that are not fp32 are made fp32 half at a time: no product reads more than the larger half's
+    columns (a whole fp32 copy is read at the last slab), and H is still 2/n X^T X against float64, exactly
+    symmetric, and the same bit for bit whether the chunks are added here or folded from partials."""
+    from quantkit.algorithms import gptq
+
+    monkeypatch.setattr(gptq, "SLAB_ROWS", 32)
+    widths = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: (widths.append(b.shape[1]), real_mm(a, b))[1])
+    X = (_inputs(600, n) * 3).to(torch.bfloat16)
+    ref = 2 * X.double().t() @ X.double() / X.shape[0]
+    here, elsewhere, folded = HessianAccumulator(n), HessianAccumulator(n), HessianAccumulator(n)
+    for chunk in X.split(256):
+        here.add(chunk)
+        part, k = elsewhere.partial(chunk)
+        folded.fold(part.clone(), k)
+    assert widths and max(widths) <= n - 64  # the second band's width (the first: 64 = whole slabs of n // 2)
+    H = here.H
+    assert torch.equal(H, H.t()) and torch.equal(H, folded.H)
+    assert torch.allclose(H.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bf16_inputs_hessian_runs_on_bf16_products_with_fp32_sums(monkeypatch, dtype):
     """bf16 calibration inputs (bf16 compute) have their Hessian products made on bf16 dot products (oneDNN's
