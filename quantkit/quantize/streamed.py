@@ -9,7 +9,7 @@ the plan (which Linears the recipe's targets / ignore name), so any architecture
 Each step is the layer path's own code, in the same order, so the export is byte-identical to it: the weight
 is cast to the compute dtype as the layer path materializes it, quantized by the target's registered quantizer
 (the same call and arguments as `quantize_group`), its stats computed the same way, and compressed by
-`compress_linear` (what `compress_results` calls on the decoded typed result, which equals the quantizer's
+`compress_by_rows` (what `compress_results` calls on the decoded typed result, which equals the quantizer's
 result exactly: the typed form is checked on its grid when it is written). The compressed tensors are listed
 to the shard writer in the order the layer path's compressed layer files give them (layer by layer, sorted
 within a layer), so the shards are cut at the same tensors.
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from quantkit.algorithms.contract import Observations
 from quantkit.algorithms.registry import QuantizerMethod
 from quantkit.distributed import SINGLE, Ranks, deal, share, sum_across
-from quantkit.export.compressed_tensors import compress_linear
+from quantkit.export.compressed_tensors import compress_by_rows
 from quantkit.io import keep_large_allocations_off_the_heap, release_free_memory
 from quantkit.model.checkpoint import LazyCheckpoint
 from quantkit.plan import Plan, Target
@@ -96,7 +96,9 @@ def quantize_one(job: TensorJob, t: Target) -> tuple[dict[str, torch.Tensor], di
     with job.timing.measure("compress"):  # on the CPU, as the layer path's export compresses
         cpu = [x.cpu() if x is not None else None for x in (q.weight, q.scale, q.zero_point, q.g_idx, q.global_scale)]
         del q
-        tensors = compress_linear(t.name, cpu[0], cpu[1], cpu[2], cpu[3], t.ct_scheme, job.scale_dtype, cpu[4])
+        w, scale, zp = cpu[0], cpu[1], cpu[2]  # a block of rows at a time, as the layer path's export compresses
+        tensors = compress_by_rows(t.name, tuple(w.shape), lambda r: (w[r], scale[r], zp[r] if zp is not None else None),
+                                   cpu[3], t.ct_scheme, job.scale_dtype, cpu[4])
     return tensors, stats
 
 
