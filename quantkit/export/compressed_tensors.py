@@ -53,7 +53,7 @@ def compress_by_rows(prefix: str, shape: tuple[int, int], rows_of: Callable[[sli
     it is given, stay a block's (an 8B down_proj's took the export 1.2 GB above its 224 MB fp32 weight).
     Rows are compressed independently in every format (packing runs along the input; zero points pack 8 rows
     to an int32 and a block is a multiple of 64 rows), so the result is the whole weight's bit for bit
-    (tests/test_export.py, every scheme)."""
+    (tests/test_quant_math.py, every scheme)."""
     out_f, in_f = shape
     step = block_rows or max(64, COMPRESS_BLOCK // max(in_f, 1) // 64 * 64)
     rows: dict[str, list[torch.Tensor]] = {}

@@ -33,12 +33,11 @@ class LazyCheckpoint:
         self._layout: dict[str, tuple[str, tuple[int, ...]]] = {}  # key -> (safetensors dtype code, shape)
         self._span: dict[str, tuple[int, int]] = {}  # key -> (first byte in its file, bytes)
         for f in files if files is not None else sorted(self.folder.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:  # the library checks the header against the file
-                for k in h.keys():
-                    sl = h.get_slice(k)
-                    self._where[k] = f
-                    self._layout[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-            self._span.update(_data_spans(f))
+            with safe_open(str(f), framework="pt"):  # the library checks the header against the file
+                pass
+            header = _header(f)
+            for k in sorted(header):  # the library's order: by name
+                self._where[k], self._layout[k], self._span[k] = f, header[k][:2], header[k][2]
 
     # what a view of the stored model changed (quantkit/model/rotated.py): the config.json fields the model read
     # through it differs in, and a summary for the manifest (None: the stored model as it is)
@@ -104,13 +103,13 @@ class LazyCheckpoint:
         return out
 
 
-def _data_spans(path: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's (first byte, bytes) in a safetensors file: an 8-byte little-endian header length, the JSON
-    header, then the data, which the header's `data_offsets` count from."""
+def _header(path: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
+    """Each tensor's (dtype code, shape, (first byte, bytes)) in a safetensors file: an
+    8-byte little-endian header length, the JSON header, then the data, which `data_offsets` count from."""
     with open(path, "rb") as h:
         n = struct.unpack("<Q", h.read(8))[0]
         header = json.loads(h.read(n))
-    return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+    return {k: (v["dtype"], tuple(v["shape"]), (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0]))
             for k, v in header.items() if k != "__metadata__"}
 
 
