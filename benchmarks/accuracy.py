@@ -3,12 +3,13 @@ text, in one run on one machine. Prints one JSON document (and writes it to --ou
 
     python benchmarks/accuracy.py --samples 32                       # quantkit's rows only
     python benchmarks/accuracy.py --samples 32 --rows gptq,autoround-gptq \
-        --llmcompressor /tmp/anchor-venv/bin/python --autoround /tmp/autoround-venv/bin/python
+        --llmcompressor /tmp/anchor-venv/bin/python --autoround /tmp/autoround-venv/bin/python \
+        --gptqmodel /tmp/gq-venv/bin/python
 
 Every quantkit row is `recipes/smollm2-w4a16-gptq.yaml` (W4A16 int4, group 64, symmetric; `num_samples` x 512
 calibration tokens from its builtin sources, seed 0) with its stages replaced as ROWS says, converted in its own
 process without tracking, its calibration forward in float32 (`NAME@bf16`: bfloat16). The peers get the same token ids (a safetensors file) in their own venvs
-(benchmarks/anchor_llmcompressor.py, benchmarks/anchor_autoround.py). Perplexity: transformers, fp32, on
+(benchmarks/anchor_llmcompressor.py, benchmarks/anchor_autoround.py, benchmarks/anchor_gptqmodel.py). Perplexity: transformers, fp32, on
 calibration/heldout/technical.txt (text no calibration source contains), 512-token windows, for the float model
 and every result; `ratio` is result / float. Wall time includes each process's start; peak RSS is the
 converting process's own (VmHWM).
@@ -87,6 +88,7 @@ def main() -> None:
                                                  "that row's calibration forward in bfloat16 (default float32)")
     ap.add_argument("--llmcompressor", help="python of a venv with llm-compressor (its GPTQ row)")
     ap.add_argument("--autoround", help="python of a venv with intel auto-round (its row, at --steps)")
+    ap.add_argument("--gptqmodel", help="python of a venv with GPTQModel (its GPTQ row, W4A16 g64, float32)")
     ap.add_argument("--autoround-dtype", choices=["float32"], default=None,
                     help="float32: intel's row without its bf16 mixed precision (for float32 rows where bf16 is not "
                          "native); default: its own")
@@ -133,6 +135,13 @@ def main() -> None:
                 out = Path(td) / row
                 add({"row": row, "toolkit": "llm-compressor", "scheme": label, "dtype": "float32",
                      **run_llmcompressor(args.llmcompressor, model_dir, ids_file, out, "float32", scheme)}, out)
+        if args.gptqmodel:
+            from anchor_gptqmodel import run_gptqmodel
+
+            out = Path(td) / "gptqmodel-gptq"
+            ran = run_gptqmodel(args.gptqmodel, model_dir, calib.input_ids, out, nsamples=args.samples, seqlen=512,
+                                batch_size=args.batch)
+            add({"row": "gptqmodel-gptq", "toolkit": "GPTQModel", "scheme": "W4A16 g64", "dtype": "float32", **ran}, out)
         if args.autoround:
             from anchor_autoround import run_autoround
 

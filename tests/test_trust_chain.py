@@ -292,7 +292,9 @@ def test_speed_and_memory_figures_read_by_the_default_gates():
     assert v["speed.decode_tpot_ms_p50"][0] == 30.0  # lowest concurrency (c1, not the first key)
     assert v["speed.peak_output_tok_s"][0] == 80.0  # highest concurrency (c16), not the fastest level
     assert v["speed.failed_requests"][0] == 3.0
-    assert v["memory.engine_bytes"][0] == 1.5e9  # measured PSS on a CPU
+    assert v["memory.engine_bytes"][0] == 1.5e9  # measured PSS on a CPU without high-water marks
+    hwm = side_values({**side, "memory": {"peak_pss_bytes": 1.5e9, "peak_hwm_bytes": 2.5e9}}, None)
+    assert hwm["memory.engine_bytes"][0] == 2.5e9  # the serving processes' high-water marks, where measured
     assert v["cost.machine_s_per_k_successful_tasks"][0] == pytest.approx(1000 / 2.0 / 0.5)  # at c4: most tok/s
     gpu = side_values({**side, "memory": {"peak_pss_bytes": 1.5e9, "peak_gpu_bytes": 7e9}}, None)
     assert gpu["memory.engine_bytes"][0] == 7e9

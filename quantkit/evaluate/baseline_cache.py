@@ -34,9 +34,11 @@ from quantkit.evaluate.quality import QualityRun
 from quantkit.io import atomic_dir, model_fingerprint, quantkit_home, sha256_file
 
 SCHEMA = "quantkit.baseline-cache/1"
-MEASUREMENT = 4  # 1: up to session 5; 2: tool requests get per-item budgets (probes/chat.TOOL_BUDGET);
+MEASUREMENT = 5  # 1: up to session 5; 2: tool requests get per-item budgets (probes/chat.TOOL_BUDGET);
 # 3: speed warms the engine up before the first level only, and not after the chat checks (speed.py);
-# 4: a side with a failed phase is never stored (evaluate/phases.py), and failed safety requests count against it
+# 4: a side with a failed phase is never stored (evaluate/phases.py), and failed safety requests count against it;
+# 5: the engine's memory is the serving processes' high-water marks (engine/procmon.py), which an older entry lacks:
+# its sampled PSS against the candidate's high-water marks would compare two different measures
 SUITE_FIELDS_NOT_IN_KEY = ("suite", "variants", "price_per_hour")
 FILES = ("side.json", "quality.json", "key.json")
 KEPT = ("logs/vllm-baseline.log", "tasks/baseline/samples.json")  # evidence copied into each eval that reuses it

@@ -80,6 +80,7 @@ CATALOGUE: tuple[Metric, ...] = (
     Metric("memory.kv_cache_tokens", "tokens", HIGHER, "memory"),
     Metric("memory.peak_rss_bytes", "bytes", LOWER, "memory"),
     Metric("memory.peak_pss_bytes", "bytes", LOWER, "memory"),
+    Metric("memory.peak_hwm_bytes", "bytes", LOWER, "memory"),
     Metric("memory.peak_gpu_bytes", "bytes", LOWER, "memory"),
     Metric("memory.gpu_util_mean", "percent", LOWER, "memory"),
     Metric("cost.usd_per_mtok_output", "USD/Mtok", LOWER, "cost"),

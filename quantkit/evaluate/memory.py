@@ -7,7 +7,8 @@
   dtype (a bf16 checkpoint served in float32 holds twice its file size) and integer tensors as
   stored. `weight_bytes_source` says which one a report holds.
 - kv_cache_tokens: the engine's own figure (log line, or `vllm:cache_config_info` in /metrics).
-- peak_rss_bytes / peak_pss_bytes: the engine's process tree, sampled (quantkit.engine.procmon);
+- peak_rss_bytes / peak_pss_bytes: the engine's process tree, sampled; peak_hwm_bytes: the serving processes'
+  high-water marks, summed (quantkit.engine.procmon; what the default memory gate reads on a CPU);
   peak_gpu_bytes / gpu_util_*: the GPUs (nvidia-smi) over the engine's lifetime, None without a GPU.
 """
 
@@ -45,6 +46,7 @@ def memory_figures(model_dir: Path | None, engine_info: dict, kv_from_metrics: i
     out["kv_cache_tokens"] = engine_info.get("kv_cache_tokens") or kv_from_metrics
     out["peak_rss_bytes"] = (proc or {}).get("peak_rss_bytes")
     out["peak_pss_bytes"] = (proc or {}).get("peak_pss_bytes")
+    out["peak_hwm_bytes"] = (proc or {}).get("peak_hwm_bytes")
     for k in ("peak_gpu_bytes", "gpu_util_max", "gpu_util_mean"):
         out[k] = (proc or {}).get(k)
     return out

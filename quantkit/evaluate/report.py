@@ -405,6 +405,7 @@ def _memory_lines(r: dict) -> list[str]:
     L = ["## Memory", ""]
     L += _table(r["metrics"], ["memory.engine_bytes", "memory.checkpoint_bytes", "memory.weight_bytes",
                                "memory.kv_cache_tokens", "memory.peak_rss_bytes", "memory.peak_pss_bytes",
+                               "memory.peak_hwm_bytes",
                                "memory.peak_gpu_bytes", "memory.gpu_util_mean"])
     L += _kv_cache_lines(r)
     src = ((r["details"].get("candidate") or {}).get("memory") or {}).get("weight_bytes_source")
