@@ -61,6 +61,17 @@ def _rows(steps: int) -> dict[str, list[str]]:
     }
 
 
+def _stages(rows: dict[str, list[str]], name: str) -> list[str]:
+    """A row's stages; NAME+full: its quantizer (the last stage) with `full_range: true`."""
+    base, plus, full = name.partition("+")
+    if plus and full != "full":
+        raise SystemExit(f"row {name}: the only suffix is +full")
+    stages = list(rows[base])
+    if plus:
+        stages[-1] = stages[-1][:-1] + ", full_range: true}"
+    return stages
+
+
 def convert_row(name: str, stages: list[str], out: Path, samples: int, batch: int, compute: str = "float32") -> dict:
     sets = [f"stages=[{', '.join(stages)}]", f"calibration.num_samples={samples}", f"calibration.batch_size={batch}",
             f"model.compute_dtype={compute}"]
@@ -85,7 +96,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="calibration.batch_size (autoround: samples per step)")
     ap.add_argument("--steps", type=int, default=50, help="autoround steps per layer (ours and intel's)")
     ap.add_argument("--rows", default=None, help="comma-separated quantkit rows (default: all); NAME@bf16 computes "
-                                                 "that row's calibration forward in bfloat16 (default float32)")
+                                                 "that row's calibration forward in bfloat16 (default float32); "
+                                                 "NAME+full: its quantizer with full_range (the extra negative code)")
     ap.add_argument("--llmcompressor", help="python of a venv with llm-compressor (its GPTQ row)")
     ap.add_argument("--autoround", help="python of a venv with intel auto-round (its row, at --steps)")
     ap.add_argument("--gptqmodel", help="python of a venv with GPTQModel (its GPTQ row, W4A16 g64, float32)")
@@ -123,8 +135,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="qk-accuracy-") as td:
         for name in names:  # NAME@bf16: that row with the calibration forward in bfloat16
             base, _, dt = name.partition("@")
-            out = Path(td) / name
-            add(convert_row(name, rows[base], out, args.samples, args.batch, "bfloat16" if dt == "bf16" else "float32"), out)
+            out = Path(td) / name.replace("+", "-")
+            add(convert_row(name, _stages(rows, base), out, args.samples, args.batch,
+                            "bfloat16" if dt == "bf16" else "float32"), out)
         ids_file = Path(td) / "ids.safetensors"
         save_file({"input_ids": calib.input_ids.contiguous()}, str(ids_file))
         if args.llmcompressor:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from quantkit.algorithms.autoround import AutoRoundStage, LayerProblem, refine_layer
+from quantkit.algorithms.base import ScaleSearchOptions
 from quantkit.algorithms.contract import QuantizedWeight, ScaleSearch
 from quantkit.algorithms.gptq import gptq_quantize
 from quantkit.algorithms.rtn import compute_qparams, fake_quantize, rtn, sqnr_db
@@ -141,6 +142,48 @@ def test_mse_search_never_raises_the_error_it_minimises_and_helps_heavy_tails(na
         assert (per_group(found - w) <= per_group(plain - w) + 1e-12).all()  # group by group
         if weight is None and name in ("W4A16", "W4A16_ASYM"):  # int4 on heavy tails: clipping pays
             assert sqnr_db(w, found) > sqnr_db(w, plain) + 0.1
+
+
+# ------------------------------------------------------------------------------------- the full signed range
+def test_full_range_represents_a_group_that_spans_the_whole_signed_grid_exactly():
+    """A group holding -8 and 7 (the int4 grid's ends) and integers between: scale 1 represents it exactly;
+    absmax / 7 (scale 8/7) cannot represent 7, nor most of the integers."""
+    spec = get_scheme("W4A16").with_overrides(group_size=16).weights
+    w = torch.tensor([[-8.0, 7.0, 0.0, 1.0, -1.0, 3.0, -5.0, 6.0, -8.0, 2.0, -3.0, 4.0, -6.0, 5.0, -2.0, -7.0]])
+    full = compute_qparams(w, spec, torch.float32, search=ScaleSearch((1.0,), None, True))
+    plain = compute_qparams(w, spec, torch.float32)
+    assert full.scale.item() == 1.0 and plain.scale.item() == pytest.approx(8 / 7)
+    assert torch.equal(fake_quantize(w, full, spec), w)
+    assert (fake_quantize(w, plain, spec) - w).abs().max() > 0.4
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W8A8", "W8A8_AVX2"])
+def test_full_range_clips_nothing_and_lowers_the_weight_error(name):
+    """Every group's scale is at most absmax / qmax, no code leaves [qmin, qmax] before the clamp (nothing clipped),
+    and over many Gaussian groups the squared error is lower: the extra negative code is used."""
+    spec = get_scheme(name).with_overrides(group_size=64 if "W4" in name else None).weights
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.02
+    full = compute_qparams(w, spec, torch.float32, search=ScaleSearch((1.0,), None, True))
+    plain = compute_qparams(w, spec, torch.float32)
+    assert (full.scale <= plain.scale).all() and (full.scale < plain.scale).any()
+    g = spec.group_size if spec.strategy == "group" else 512
+    codes = (w.reshape(256, -1, g) / full.scale.unsqueeze(-1)).round()
+    assert codes.min() >= spec.qmin and codes.max() <= spec.qmax
+    assert codes.min() == spec.qmin  # the extra negative code is reached
+    err = lambda qp: (fake_quantize(w, qp, spec) - w).pow(2).sum()  # noqa: E731
+    assert err(full) < err(plain)
+    assert ScaleSearchOptions().scale_search() is None  # off by default: absmax / qmax, as compressed-tensors
+
+
+def test_full_range_takes_part_in_the_mse_search():
+    """With the MSE search, every ratio's range is split the same way: never worse than full range alone."""
+    spec = get_scheme("W4A16").with_overrides(group_size=64).weights
+    w = torch.distributions.StudentT(3.0).sample((128, 256)) * 0.02
+    alone = compute_qparams(w, spec, search=ScaleSearch((1.0,), None, True))
+    searched = compute_qparams(w, spec, search=ScaleSearch.grid(0.5, 26, None, full_range=True))
+    per_group = lambda qp: (fake_quantize(w, qp, spec) - w).pow(2).reshape(128, -1, 64).sum(-1)  # noqa: E731
+    assert (per_group(searched) <= per_group(alone) + 1e-12).all()
+    assert ScaleSearchOptions(full_range=True, observer="mse").scale_search().full_range
 
 
 def test_a_converted_model_records_the_learned_layers_and_resumes_to_the_same_bytes(tiny_llama, calib_text, tmp_path):

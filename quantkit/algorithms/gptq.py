@@ -25,9 +25,10 @@ Left out: sparsity (SparseGPT), per-row adaptive group sizes, and Hessians in re
 
 from __future__ import annotations
 
+
 import functools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -411,7 +412,7 @@ def gptq_solve_stacked(weights: list[torch.Tensor], f: Factor, spec: WeightSpec,
     # (static groups: compute_qparams takes it from each weight's own rows)
     gscale = nvfp4_global_scale(W) if spec.scale_format == "fp8" and actorder == "group" else None
     if search is not None and search.column_weight is None and f.diag is not None:
-        search = ScaleSearch(search.ratios, f.diag)
+        search = replace(search, column_weight=f.diag)
     # static groups (and none): scales from each original weight, fixed up front
     qps = ([compute_qparams(W[r0:r1], spec, scale_dtype, global_scale=gscale, search=search) for r0, r1 in bounds]
            if actorder != "group" else None)
@@ -430,7 +431,7 @@ def gptq_solve_stacked(weights: list[torch.Tensor], f: Factor, spec: WeightSpec,
     group_zp = torch.empty(W.shape[0], n_groups, device=W.device) if asym else None
 
     if search is not None and search.column_weight is not None and perm is not None:
-        search = ScaleSearch(search.ratios, search.column_weight[perm])  # group act-order works in permuted order
+        search = replace(search, column_weight=search.column_weight[perm])  # group act-order: permuted order
     _column_loop(_Sweep(W, f, Q, losses, col_group, group_scale, group_zp, qp_static, spec, g, scale_dtype,
                         gscale, search, bounds), block_size)
 
@@ -590,7 +591,7 @@ def _choose_group(s: _Sweep, col: int, current: torch.Tensor) -> QParams:
     """Group act-order: the scale (and zero point) of the group starting at (permuted) column `col`, from its
     columns as the sweep has updated them so far (`current`, [out, g]); kept in the sweep's group scales."""
     g, cw = s.g, s.search.column_weight if s.search is not None else None
-    search = None if s.search is None else ScaleSearch(s.search.ratios, cw[col:col + g] if cw is not None else None)
+    search = None if s.search is None else replace(s.search, column_weight=cw[col:col + g] if cw is not None else None)
     qp = compute_qparams(current, _as_channel(s.spec), s.scale_dtype, global_scale=s.global_scale, search=search)
     s.group_scale[:, col // g] = qp.scale[:, 0]  # the group's later columns, in later blocks, read it there
     if s.group_zp is not None:
@@ -609,8 +610,6 @@ def single_thread():
 
 
 def _as_channel(spec: WeightSpec) -> WeightSpec:
-    from dataclasses import replace
-
     return replace(spec, strategy="channel", group_size=None)
 
 

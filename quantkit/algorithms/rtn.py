@@ -77,8 +77,9 @@ def check_divisible(spec: WeightSpec, in_features: int, name: str) -> None:
 
 
 def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype,
-                    global_scale: torch.Tensor | None = None):
-    """Scale/zero point from per-group min and max (any shape), rounded to the storage dtype."""
+                    global_scale: torch.Tensor | None = None, full_range: bool = False):
+    """Scale/zero point from per-group min and max (any shape), rounded to the storage dtype. `full_range`:
+    symmetric int grids take max(max / qmax, min / qmin) (ScaleSearch)."""
     if spec.is_fp4:
         absmax = torch.maximum(wmin.abs(), wmax.abs())
         if spec.scale_format == "e8m0":  # the power of two that keeps absmax / scale <= 6 (no clipping)
@@ -91,9 +92,11 @@ def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, sc
         scale = (absmax / FP8_MAX).clamp(min=1e-12).to(scale_dtype).float()
         return scale, None
     if spec.symmetric:
-        absmax = torch.maximum(wmin.abs(), wmax.abs())
-        scale = (absmax / spec.qmax).clamp(min=1e-10).to(scale_dtype).float()
-        return scale, None
+        if full_range and spec.qmin < 0:  # each side on its own codes: no value clipped, -8 used at 4 bits
+            scale = torch.maximum(wmax.clamp(min=0) / spec.qmax, wmin.clamp(max=0) / spec.qmin)
+        else:
+            scale = torch.maximum(wmin.abs(), wmax.abs()) / spec.qmax
+        return scale.clamp(min=1e-10).to(scale_dtype).float(), None
     wmin = wmin.clamp(max=0)
     wmax = wmax.clamp(min=0)
     scale = ((wmax - wmin) / (spec.qmax - spec.qmin)).clamp(min=1e-10).to(scale_dtype).float()
@@ -113,16 +116,17 @@ def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype 
     wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, n_groups]
     if spec.scale_format == "fp8" and global_scale is None:
         global_scale = nvfp4_global_scale(w)
-    scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype, global_scale)
+    full = search is not None and search.full_range and spec.type == "int"
+    scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype, global_scale, full)
     if search is None and clip_search:
         search = ScaleSearch((1.0, 0.95, 0.9, 0.85, 0.8, 0.75))
-    if search is not None:
+    if search is not None and any(r != 1.0 for r in search.ratios):
         cw = None if search.column_weight is None else search.column_weight.float().reshape(1, in_f // g, g)
         best_err = _group_error(wg, scale, zp, spec, cw)
         for ratio in search.ratios:
             if ratio == 1.0:
                 continue
-            s2, z2 = _minmax_qparams(wmin * ratio, wmax * ratio, spec, scale_dtype, global_scale)
+            s2, z2 = _minmax_qparams(wmin * ratio, wmax * ratio, spec, scale_dtype, global_scale, full)
             err = _group_error(wg, s2, z2, spec, cw)
             better = err < best_err
             scale = torch.where(better, s2, scale)
