@@ -104,6 +104,9 @@ def test_report_contract_and_content(report_dir, w8a8):
     assert m["memory.checkpoint_bytes"]["candidate"] < 0.75 * m["memory.checkpoint_bytes"]["baseline"]
     assert m["memory.kv_cache_tokens"]["candidate"] > 1000
     assert m["memory.peak_rss_bytes"]["candidate"] > 100 * 2**20
+    # the default memory gate's figure on a CPU: the serving processes' high-water marks (engine/procmon.py)
+    for side in ("baseline", "candidate"):
+        assert m["memory.engine_bytes"][side] == m["memory.peak_hwm_bytes"][side] > 100 * 2**20
     # the engine-free reference column: the baseline's engine perplexity equals it within 1% (issue 14)
     ref_b, ref_c = m["quality.reference_perplexity"]["baseline"], m["quality.reference_perplexity"]["candidate"]
     assert abs(b_ppl / ref_b - 1) < 0.01, (b_ppl, ref_b)
