@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-RECIPE = "recipes/smollm2-w4a16-gptq.yaml"
+from anchor_child import RECIPE, demo_calibration  # noqa: E402 (after the path insert)
 W4 = "scheme: W4A16, group_size: 64"
 AWQ = "{method: awq, grid: 20, duo_scaling: true, clip: true, max_tokens: 2048}"
 ROT = "{method: rotate}"
@@ -108,19 +108,13 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
     from convert import perplexity
-    from quantkit.data import build_calibration_set
     from quantkit.hardware import hardware
-    from quantkit.model.sources import ensure_demo_model
-    from quantkit.recipe import load_recipe
 
     rows = _rows(args.steps)
     names = args.rows.split(",") if args.rows else list(rows)
-    model_dir = ensure_demo_model("smollm2-135m", quiet=True)
-    calib = build_calibration_set(load_recipe(REPO / RECIPE, [f"calibration.num_samples={args.samples}"]).calibration,
-                                  AutoTokenizer.from_pretrained(model_dir))
+    model_dir, calib = demo_calibration(args.samples)
     result = {"model": "SmolLM2-135M", "schemes": "W4A16 int4 g64 symmetric; W8A8 int8 channels + dynamic per-token int8 "
               "activations (rows w8a8-*)", "samples": args.samples, "seq_len": 512,
               "autoround_steps": args.steps, "batch": args.batch, "hardware": hardware(),

@@ -24,15 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
+from anchor_child import demo_calibration, first_ids, run_child
 
 CHILD = r"""
 import json, sys, time, torch
@@ -97,9 +94,7 @@ def run_autoround(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path
     mixed precision off (`amp=False, model_dtype="float32"`), to compare with a float32 row at the same dtype."""
     from safetensors.torch import save_file
 
-    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] < nsamples or ids.shape[1] < seqlen:
-        raise ValueError(f"need int64 ids of at least [{nsamples}, {seqlen}], got {ids.dtype} {list(ids.shape)}")
-    ids = ids[:nsamples, :seqlen].contiguous()      # auto-round skips shorter samples and does not cut longer ones
+    ids = first_ids(ids, nsamples, seqlen)      # auto-round skips shorter samples and does not cut longer ones
     cfg = {"iters": iters, "group_size": group_size, "bits": bits, "sym": sym, "lr": lr, "layers": layers,
            "batch_size": batch_size, "dtype": dtype}
     out_dir = Path(out_dir)
@@ -107,18 +102,13 @@ def run_autoround(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path
     with tempfile.TemporaryDirectory(prefix="qk-autoround-") as td:
         ids_file = Path(td) / "ids.safetensors"
         save_file({"input_ids": ids}, str(ids_file))
-        t0 = time.perf_counter()
-        proc = subprocess.run([python, "-c", CHILD, str(model_dir), str(ids_file), str(out_dir), json.dumps(cfg)],
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"auto-round failed:\n{proc.stderr[-4000:]}")
-    (out_dir / "autoround.log").write_text(proc.stderr)
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
-    tuning = re.search(r"quantization tuning time ([\d.]+)", proc.stderr)
-    summary = re.search(r"Summary: quantized (\d+)/(\d+)", proc.stderr)
+        child, log, wall = run_child(python, CHILD, [str(model_dir), str(ids_file), str(out_dir), json.dumps(cfg)],
+                                     "auto-round")
+    (out_dir / "autoround.log").write_text(log)
+    tuning = re.search(r"quantization tuning time ([\d.]+)", log)
+    summary = re.search(r"Summary: quantized (\d+)/(\d+)", log)
     tuning_s = float(tuning.group(1)) if tuning else None
-    block_s, best_iter = _block_times(proc.stderr)
+    block_s, best_iter = _block_times(log)
     blocks = len(best_iter)
     return {"anchor": "auto-round", "run": f"AutoRound(scheme=W4A16, bits={bits}, group_size={group_size}, sym={sym}, "
                                            f"iters={iters}, lr={lr or '1/iters'}, batch_size={batch_size}, "
@@ -143,21 +133,10 @@ def main() -> None:
                     help="float32: auto-round without mixed precision (default: its own, bf16 on the CPU)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the fake-quantized checkpoint in this folder")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
-    from transformers import AutoTokenizer
-
-    from quantkit.data import build_calibration_set
-    from quantkit.hardware import hardware
-    from quantkit.model.sources import ensure_demo_model
-    from quantkit.recipe import load_recipe
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from convert import perplexity
+    from quantkit.hardware import hardware
 
-    recipe = load_recipe(REPO / "recipes/smollm2-w4a16-gptq.yaml",
-                         [f"calibration.num_samples={args.samples}", f"calibration.seq_len={args.seq_len}"])
-    model_dir = ensure_demo_model("smollm2-135m", quiet=True)
-    calib = build_calibration_set(recipe.calibration, AutoTokenizer.from_pretrained(model_dir))
+    model_dir, calib = demo_calibration(args.samples, args.seq_len)
     with tempfile.TemporaryDirectory(prefix="qk-anchor-") as td:
         out = args.keep or Path(td) / "autoround"
         res = run_autoround(args.python, model_dir, calib.input_ids, out, iters=args.iters, nsamples=args.samples,

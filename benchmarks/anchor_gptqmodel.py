@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
+from anchor_child import demo_calibration, first_ids, run_child
 
 CHILD = r"""
 import json, sys, time, torch
@@ -84,23 +80,17 @@ def run_gptqmodel(python: str, model_dir: Path, ids: torch.Tensor, out_dir: Path
     that only serve this measurement) and its peak RSS to the end of the quantization's save."""
     from safetensors.torch import save_file
 
-    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] < nsamples or ids.shape[1] < seqlen:
-        raise ValueError(f"need int64 ids of at least [{nsamples}, {seqlen}], got {ids.dtype} {list(ids.shape)}")
-    ids = ids[:nsamples, :seqlen].contiguous()
+    ids = first_ids(ids, nsamples, seqlen)
     cfg = {"group_size": group_size, "bits": bits, "sym": sym, "batch_size": batch_size}
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # the child runs in its own folder
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qk-gptqmodel-") as td:
         ids_file = Path(td) / "ids.safetensors"
         save_file({"input_ids": ids}, str(ids_file))
-        t0 = time.perf_counter()
-        proc = subprocess.run([python, "-c", CHILD, str(model_dir), str(ids_file), str(out_dir), str(Path(td) / "q"),
-                               json.dumps(cfg)], capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"GPTQModel failed:\n{proc.stderr[-4000:]}")
-    (out_dir / "gptqmodel.log").write_text(proc.stderr)
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
+        # cwd: GPTQModel writes a log folder (logs/gptq_log_*.log) into its working directory
+        child, log, wall = run_child(python, CHILD, [str(model_dir), str(ids_file), str(out_dir), str(Path(td) / "q"),
+                                                     json.dumps(cfg)], "GPTQModel", cwd=Path(td))
+    (out_dir / "gptqmodel.log").write_text(log)
     return {"anchor": "GPTQModel", "run": f"GPTQModel.load(model, QuantizeConfig(bits={bits}, group_size={group_size}, "
                                           f"sym={sym}), dtype=float32).quantize(batch_size={batch_size})",
             **cfg, "nsamples": nsamples, "seqlen": seqlen, "wall_s": round(wall, 1), **child}
@@ -113,21 +103,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=1)
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
-    from transformers import AutoTokenizer
-
-    from quantkit.data import build_calibration_set
-    from quantkit.hardware import hardware
-    from quantkit.model.sources import ensure_demo_model
-    from quantkit.recipe import load_recipe
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from convert import perplexity
+    from quantkit.hardware import hardware
 
-    recipe = load_recipe(REPO / "recipes/smollm2-w4a16-gptq.yaml",
-                         [f"calibration.num_samples={args.samples}", f"calibration.seq_len={args.seq_len}"])
-    model_dir = ensure_demo_model("smollm2-135m", quiet=True)
-    calib = build_calibration_set(recipe.calibration, AutoTokenizer.from_pretrained(model_dir))
+    model_dir, calib = demo_calibration(args.samples, args.seq_len)
     with tempfile.TemporaryDirectory(prefix="qk-anchor-") as td:
         out = Path(td) / "gptqmodel"
         res = run_gptqmodel(args.python, model_dir, calib.input_ids, out, nsamples=args.samples,

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from anchor_child import REPO, demo_calibration, run_child
 
 CHILD = r"""
 import json, sys, time, torch
@@ -60,13 +60,8 @@ def run_llmcompressor(python: str, model_dir: Path, ids_file: Path, out: Path, d
     """llm-compressor's GPTQ (`w4a16`: W4A16 g64 sym, static act-order; `w8a8`: its W8A8 example, SmoothQuant 0.8
     then GPTQ W8A8) on the token ids in `ids_file`, in the anchor venv `python`; writes its checkpoint to `out`.
     Returns its JSON (convert_s, peak_rss_mb) plus wall_s."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([python, "-c", CHILD, str(model_dir), str(ids_file), str(out), dtype, scheme],
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"llm-compressor failed:\n{proc.stderr[-4000:]}")
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "wall_s": round(wall, 1)}
+    child, _, wall = run_child(python, CHILD, [str(model_dir), str(ids_file), str(out), dtype, scheme], "llm-compressor")
+    return {**child, "wall_s": round(wall, 1)}
 
 
 def main() -> None:
@@ -79,20 +74,11 @@ def main() -> None:
                          "pre-flight's engine step off: the anchor has none), one after the other in this run, and "
                          "print the wall-time ratios and quantkit's seconds per phase")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
-    from quantkit.data import build_calibration_set
-    from quantkit.model.sources import ensure_demo_model
-    from quantkit.recipe import load_recipe
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from convert import perplexity
 
-    recipe = load_recipe(REPO / "recipes/smollm2-w4a16-gptq.yaml", [f"calibration.num_samples={args.samples}"])
-    model_dir = ensure_demo_model("smollm2-135m", quiet=True)
-    calib = build_calibration_set(recipe.calibration, AutoTokenizer.from_pretrained(model_dir))
+    model_dir, calib = demo_calibration(args.samples)
     with tempfile.TemporaryDirectory(prefix="qk-anchor-") as td:
         ids_file, out = Path(td) / "ids.safetensors", Path(td) / "llmcompressor"
         save_file({"input_ids": calib.input_ids.contiguous()}, str(ids_file))

@@ -25,7 +25,6 @@ Left out: sparsity (SparseGPT), per-row adaptive group sizes, and Hessians in re
 
 from __future__ import annotations
 
-
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, replace

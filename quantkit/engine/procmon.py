@@ -9,8 +9,9 @@ model the same artifact's sampled PSS peak moved by +-3% between runs. So each s
 high-water mark (VmHWM) of every process alive; `peak_hwm_bytes` sums those of the processes alive at the last
 sample (the serving ones): every peak each held, none missed, no exited helper counted. Over two evals each it
 moved by 0.02% (baseline) and 0.2% (W8A8 candidate) on a 2-core EPYC. It is a bound on the serving processes'
-concurrent peak (each process's peak, whenever it came), and it counts pages they share once per process. On a machine with `nvidia-smi`, the same thread also samples GPU
-utilization (%) and used GPU memory (whole device: other tenants count too).
+concurrent peak (each process's peak, whenever it came), and it counts pages they share once per process.
+On a machine with `nvidia-smi`, the same thread also samples GPU utilization (%) and used GPU memory (whole
+device: other tenants count too).
 """
 
 from __future__ import annotations
@@ -53,15 +54,13 @@ def high_water_mark(pid: int) -> int | None:
 
 def tree_memory(pid: int, hwm: dict[int, int] | None = None) -> tuple[int, int, int]:
     """(rss_bytes, pss_bytes, n_processes) summed over `pid` and its descendants; zeros if gone. `hwm`, if
-    given, is filled with the high-water mark of each process alive now, by pid."""
+    given (empty), gets the high-water mark of each process alive now, by pid."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return 0, 0, 0
     rss = pss = n = 0
-    if hwm is not None:
-        hwm.clear()
     for p in procs:
         if hwm is not None:
             mark = high_water_mark(p.pid)
