@@ -62,13 +62,13 @@ def _rows(steps: int) -> dict[str, list[str]]:
 
 
 def _stages(rows: dict[str, list[str]], name: str) -> list[str]:
-    """A row's stages; NAME+full: its quantizer (the last stage) with `full_range: true`."""
-    base, plus, full = name.partition("+")
-    if plus and full != "full":
-        raise SystemExit(f"row {name}: the only suffix is +full")
+    """A row's stages; NAME+full / NAME+signed: its quantizer (the last stage) with `full_range: true` / `signed`."""
+    base, plus, rule = name.partition("+")
+    if plus and rule not in ("full", "signed"):
+        raise SystemExit(f"row {name}: the suffixes are +full and +signed")
     stages = list(rows[base])
     if plus:
-        stages[-1] = stages[-1][:-1] + ", full_range: true}"
+        stages[-1] = stages[-1][:-1] + f", full_range: {'true' if rule == 'full' else 'signed'}}}"
     return stages
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="autoround steps per layer (ours and intel's)")
     ap.add_argument("--rows", default=None, help="comma-separated quantkit rows (default: all); NAME@bf16 computes "
                                                  "that row's calibration forward in bfloat16 (default float32); "
-                                                 "NAME+full: its quantizer with full_range (the extra negative code)")
+                                                 "NAME+full / NAME+signed: its quantizer with full_range true / signed")
     ap.add_argument("--llmcompressor", help="python of a venv with llm-compressor (its GPTQ row)")
     ap.add_argument("--autoround", help="python of a venv with intel auto-round (its row, at --steps)")
     ap.add_argument("--gptqmodel", help="python of a venv with GPTQModel (its GPTQ row, W4A16 g64, float32)")

@@ -186,6 +186,45 @@ def test_full_range_takes_part_in_the_mse_search():
     assert ScaleSearchOptions(full_range=True, observer="mse").scale_search().full_range
 
 
+def test_signed_range_represents_a_group_whose_max_is_its_larger_end_exactly():
+    """A group holding 8 and -7 and integers between: only a scale of -1 represents it (codes -8..7 negated);
+    absmax / 7 and max(max / 7, min / -8) both take 8/7 and miss most of it. With the min the larger end the
+    signed scale is positive and the same as the full range's."""
+    spec = get_scheme("W4A16").with_overrides(group_size=16).weights
+    w = torch.tensor([[8.0, -7.0, 0.0, 1.0, -1.0, 3.0, -5.0, 6.0, 8.0, 2.0, -3.0, 4.0, -6.0, 5.0, -2.0, 7.0]])
+    signed = compute_qparams(w, spec, torch.float32, search=ScaleSearch((1.0,), None, "signed"))
+    full = compute_qparams(w, spec, torch.float32, search=ScaleSearch((1.0,), None, True))
+    assert signed.scale.item() == -1.0 and full.scale.item() == pytest.approx(8 / 7)
+    assert torch.equal(fake_quantize(w, signed, spec), w)
+    assert (fake_quantize(w, full, spec) - w).abs().max() > 0.4
+    flipped = compute_qparams(-w, spec, torch.float32, search=ScaleSearch((1.0,), None, "signed"))
+    assert flipped.scale.item() == 1.0 and torch.equal(fake_quantize(-w, flipped, spec), -w)
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W8A8"])
+def test_signed_range_puts_the_larger_end_on_qmin_and_lowers_the_weight_error(name):
+    """Over many Gaussian groups: |scale| = absmax / 2^(bits-1) (finer than either unsigned rule), the larger end
+    of every group is coded qmin exactly, the other end clips by at most one step, and the squared error is
+    below the full range's, itself below absmax / qmax."""
+    spec = get_scheme(name).with_overrides(group_size=64 if "W4" in name else None).weights
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * 0.02
+    g = spec.group_size if spec.strategy == "group" else 512
+    wg = w.reshape(256, -1, g)
+    signed = compute_qparams(w, spec, torch.float32, search=ScaleSearch((1.0,), None, "signed"))
+    full = compute_qparams(w, spec, torch.float32, search=ScaleSearch((1.0,), None, True))
+    plain = compute_qparams(w, spec, torch.float32)
+    absmax = wg.abs().amax(-1)
+    assert torch.allclose(signed.scale.abs(), absmax / -spec.qmin, rtol=1e-6)
+    assert (signed.scale < 0).any() and (signed.scale > 0).any()
+    larger = torch.where(wg.amax(-1) > -wg.amin(-1), wg.amax(-1), wg.amin(-1))
+    assert torch.equal((larger / signed.scale).round(), torch.full_like(larger, float(spec.qmin)))
+    codes = (wg / signed.scale.unsqueeze(-1)).round()
+    assert codes.min() >= spec.qmin and codes.max() <= spec.qmax + 1
+    err = lambda qp: (fake_quantize(w, qp, spec) - w).pow(2).sum()  # noqa: E731
+    assert err(signed) < err(full) < err(plain)
+    assert ScaleSearchOptions(full_range="signed").scale_search().full_range == "signed"
+
+
 def test_a_converted_model_records_the_learned_layers_and_resumes_to_the_same_bytes(tiny_llama, calib_text, tmp_path):
     """Through the layer walk: every layer's learned rounding is recorded in the manifest, lowers the layer error
     where it replaces the start, and a second conversion gives the same bytes (deterministic)."""

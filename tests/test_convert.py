@@ -59,6 +59,11 @@ def _reload(out):
      True, 1e-5),
     ([{"method": "autoround", "scheme": "W4A16_ASYM", "group_size": 32, "init": "rtn", "steps": 12}], True, 1e-5),
     ([{"method": "autoround", "scheme": "W8A8", "steps": 8}], True, 0.1),
+    # the signed full range: negative scales where a group's max is its larger end, stored and read back as any
+    ([{"method": "rtn", "scheme": "W4A16", "group_size": 16, "full_range": "signed"}], False, 1e-5),
+    ([{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "group", "full_range": "signed"}], True, 1e-5),
+    ([{"method": "autoround", "scheme": "W4A16", "group_size": 16, "init": "rtn", "steps": 12,
+       "full_range": "signed"}], True, 1e-5),
 ])
 def test_export_reloads_like_fake_quant(tiny_llama, calib_text, tmp_path, stages, calibrated, rel_tol):
     out = tmp_path / "out"
@@ -72,6 +77,11 @@ def test_export_reloads_like_fake_quant(tiny_llama, calib_text, tmp_path, stages
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["ignore"] == ["lm_head"]
     assert cfg["format"] == ("int-quantized" if "W8A8" in stages[0]["scheme"] else "pack-quantized")
+    if stages[0].get("full_range") == "signed":  # the stored scales carry both signs
+        from safetensors.torch import load_file
+        scales = [t for f in sorted(out.glob("*.safetensors")) for k, t in load_file(str(f)).items()
+                  if k.endswith("weight_scale")]
+        assert scales and any((t < 0).any() for t in scales) and any((t > 0).any() for t in scales)
     if stages[0]["scheme"] == "W8A8_AVX2":  # the stored int8 codes use the narrowed range and nothing beyond
         from safetensors.torch import load_file
         codes = [t for f in sorted(out.glob("*.safetensors")) for t in load_file(str(f)).values() if t.dtype == torch.int8]

@@ -146,8 +146,8 @@ class LearnedGrid(nn.Module):
         self.register_buffer("cols", start.columns())
         self.g_idx = start.g_idx
         s = start.scale.float()
-        if spec.symmetric:
-            hi, lo = s * spec.qmax, -s * spec.qmax
+        if spec.symmetric:  # the start's scale, shrunk by the range factor (its sign kept: full_range signed)
+            hi, lo = s, s
         else:  # the range the start's grid covers
             hi, lo = (spec.qmax - start.zero_point) * s, (spec.qmin - start.zero_point) * s
         self.register_buffer("hi", hi)
@@ -159,10 +159,12 @@ class LearnedGrid(nn.Module):
     def qparams(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scale (and zero point) per group, derived from the shrunk range as the start's were."""
         spec = self.spec
-        hi, lo = self.hi * self.a_hi, self.lo * (self.a_lo if not spec.symmetric else self.a_hi)
-        if spec.symmetric:
-            absmax = torch.maximum(hi.abs(), lo.abs())
-            return _ste_cast((absmax / spec.qmax).clamp(min=1e-10), self.scale_dtype), None
+        if spec.symmetric:  # any of the symmetric rules: the start's scale times the factor (the same as the
+            # rule on the shrunk range, since every rule is linear in the range), its magnitude kept >= 1e-10
+            scale = self.hi * self.a_hi
+            return _ste_cast(torch.where(scale < 0, scale.clamp(max=-1e-10), scale.clamp(min=1e-10)),
+                             self.scale_dtype), None
+        hi, lo = self.hi * self.a_hi, self.lo * self.a_lo
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         scale = _ste_cast(((hi - lo) / (spec.qmax - spec.qmin)).clamp(min=1e-10), self.scale_dtype)
         zp = torch.round(spec.qmin - lo / scale).clamp(spec.qmin, spec.qmax).detach()

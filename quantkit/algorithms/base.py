@@ -81,14 +81,17 @@ class ScaleSearchOptions(Strict):
     observer: Literal["minmax", "mse"] = "minmax"
     mse_min_ratio: float = Field(0.6, gt=0, lt=1, description="the smallest range ratio the MSE search tries")
     mse_points: int = Field(17, ge=2, le=200, description="ratios tried, evenly spaced from 1.0 to mse_min_ratio")
-    full_range: bool = Field(False, description="symmetric int grids: scale = max(max / qmax, min / qmin), using the "
-                             "grid's extra negative code (-8 at 4 bits) without clipping; off: absmax / qmax (the "
-                             "compressed-tensors observers' rule). The export and the engine are unchanged")
+    full_range: bool | Literal["signed"] = Field(
+        False, description="symmetric int grids: true: scale = max(max / qmax, min / qmin), using the grid's extra "
+        "negative code (-8 at 4 bits) without clipping; signed: scale = e / qmin with e the group's larger-magnitude "
+        "extreme, sign included (the scale is negative where the max is larger), so every group has all 2^bits codes "
+        "at absmax / 2^(bits-1) and e lands on qmin exactly; off: absmax / qmax (the compressed-tensors observers' "
+        "rule). The export format is unchanged (signed: negative scales, which w = q x scale serves as any scale)")
 
     def scale_search(self, column_weight=None):
         """The ScaleSearch this stage asks for (None: min/max over absmax)."""
         if self.observer != "mse":
-            return ScaleSearch((1.0,), None, True) if self.full_range else None
+            return ScaleSearch((1.0,), None, self.full_range) if self.full_range else None
         return ScaleSearch.grid(self.mse_min_ratio, self.mse_points, column_weight, self.full_range)
 
 

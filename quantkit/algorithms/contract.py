@@ -63,17 +63,18 @@ class ScaleSearch:
     group, the one whose quantization error is lowest. The error is the weight's squared error, each input
     column weighted by `column_weight` when given (GPTQ passes diag(H): the output error's diagonal part).
     The ratio 1.0 (min/max) is always tried, so the search never ends with a larger error than min/max.
-    `full_range` (symmetric int grids): each range's scale is max(max / qmax, min / qmin) instead of
-    absmax / qmax, so the grid's extra negative code (-8 at 4 bits) is used without clipping anything; with
+    `full_range` (symmetric int grids): True: each range's scale is max(max / qmax, min / qmin) instead of
+    absmax / qmax, so the grid's extra negative code (-8 at 4 bits) is used without clipping anything;
+    "signed": scale = e / qmin, e the larger-magnitude end with its sign (rtn._minmax_qparams); with
     `ratios` (1.0,) that is the whole of it (no search)."""
 
     ratios: tuple[float, ...]
     column_weight: torch.Tensor | None = None  # [in] >= 0
-    full_range: bool = False
+    full_range: bool | str = False
 
     @staticmethod
     def grid(min_ratio: float, points: int, column_weight: torch.Tensor | None = None,
-             full_range: bool = False) -> "ScaleSearch":
+             full_range: bool | str = False) -> "ScaleSearch":
         """`points` ratios evenly spaced from 1.0 down to `min_ratio`."""
         step = (1.0 - min_ratio) / max(points - 1, 1)
         return ScaleSearch(tuple(1.0 - i * step for i in range(points)), column_weight, full_range)

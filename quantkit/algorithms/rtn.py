@@ -77,9 +77,9 @@ def check_divisible(spec: WeightSpec, in_features: int, name: str) -> None:
 
 
 def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype,
-                    global_scale: torch.Tensor | None = None, full_range: bool = False):
+                    global_scale: torch.Tensor | None = None, full_range: bool | str = False):
     """Scale/zero point from per-group min and max (any shape), rounded to the storage dtype. `full_range`:
-    symmetric int grids take max(max / qmax, min / qmin) (ScaleSearch)."""
+    symmetric int grids take max(max / qmax, min / qmin), or with "signed" the signed scale (ScaleSearch)."""
     if spec.is_fp4:
         absmax = torch.maximum(wmin.abs(), wmax.abs())
         if spec.scale_format == "e8m0":  # the power of two that keeps absmax / scale <= 6 (no clipping)
@@ -92,6 +92,8 @@ def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, sc
         scale = (absmax / FP8_MAX).clamp(min=1e-12).to(scale_dtype).float()
         return scale, None
     if spec.symmetric:
+        if full_range == "signed" and spec.qmin < 0:
+            return signed_scale(wmin, wmax, spec.qmin, scale_dtype), None
         if full_range and spec.qmin < 0:  # each side on its own codes: no value clipped, -8 used at 4 bits
             scale = torch.maximum(wmax.clamp(min=0) / spec.qmax, wmin.clamp(max=0) / spec.qmin)
         else:
@@ -102,6 +104,17 @@ def _minmax_qparams(wmin: torch.Tensor, wmax: torch.Tensor, spec: WeightSpec, sc
     scale = ((wmax - wmin) / (spec.qmax - spec.qmin)).clamp(min=1e-10).to(scale_dtype).float()
     zp = torch.round(spec.qmin - wmin / scale).clamp(spec.qmin, spec.qmax)
     return scale, zp
+
+
+def signed_scale(wmin: torch.Tensor, wmax: torch.Tensor, qmin: int, scale_dtype: torch.dtype) -> torch.Tensor:
+    """The symmetric grid's signed scale: e / qmin, e the larger-magnitude of (min, max) with its sign (min on a
+    tie), so e lands exactly on qmin (-8 at 4 bits) and all 2^bits codes are spaced absmax / 2^(bits-1); the
+    scale is negative where the max is the larger. The other end clips by at most one step. Magnitudes are kept
+    >= 1e-10 like the unsigned rules, and rounded to the storage dtype (rounding is symmetric in the sign)."""
+    e = torch.where(-wmin.clamp(max=0) >= wmax.clamp(min=0), wmin.clamp(max=0), wmax.clamp(min=0))
+    scale = e / qmin
+    magnitude = scale.abs().clamp(min=1e-10)
+    return torch.where(scale < 0, -magnitude, magnitude).to(scale_dtype).float()
 
 
 def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype = torch.bfloat16,
@@ -116,7 +129,7 @@ def compute_qparams(w: torch.Tensor, spec: WeightSpec, scale_dtype: torch.dtype 
     wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, n_groups]
     if spec.scale_format == "fp8" and global_scale is None:
         global_scale = nvfp4_global_scale(w)
-    full = search is not None and search.full_range and spec.type == "int"
+    full = search.full_range if search is not None and spec.type == "int" else False
     scale, zp = _minmax_qparams(wmin, wmax, spec, scale_dtype, global_scale, full)
     if search is None and clip_search:
         search = ScaleSearch((1.0, 0.95, 0.9, 0.85, 0.8, 0.75))
