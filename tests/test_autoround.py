@@ -121,6 +121,76 @@ def test_no_step_that_helps_keeps_the_start():
     assert out[0].stats["autoround_error"] <= out[0].stats["autoround_error_start"]
 
 
+class _LinearBlock(nn.Module):
+    """x + down(up(x)): linear, so scaling an input chunk by a power of two scales everything computed from it
+    exactly (outputs, losses, gradients), and the signs of the gradients not at all."""
+
+    def __init__(self, d=64, h=128):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(self.up(x))
+
+
+def test_which_step_is_kept_does_not_depend_on_how_loud_a_chunk_is():
+    """The step kept is the one with the lowest loss relative to the start's on the same chunk: with chunk 0's
+    inputs (and so its outputs and loss) 16x quieter, the descent takes the same signed steps and must keep the
+    same one. By the raw loss the quiet chunk's steps would always win (this test fails with that rule)."""
+    results = []
+    for loud in (1.0, 1 / 16):
+        torch.manual_seed(4)
+        block = _LinearBlock()
+        x = _inputs(n=512)
+        x[:128] *= loud
+        with torch.no_grad():
+            ref = block(x)
+        spec = get_scheme("W4A16").with_overrides(group_size=32).weights
+        floats = [m.weight.detach().clone() for m in (block.up, block.down)]
+        starts = []
+        for m in (block.up, block.down):
+            deq, qp = rtn(m.weight.detach().float(), spec)
+            starts.append(QuantizedWeight(deq, qp.scale, qp.zero_point))
+            m.weight.data = deq.clone()
+        chunks, refs = list(x.split(128)), list(ref.split(128))
+        p = LayerProblem([block.up, block.down], floats, starts, spec, lambda i: block(chunks[i]), refs, [0, 1, 2, 3])
+        stage = AutoRoundStage(method="autoround", scheme="W4A16", group_size=32, init="rtn", steps=16, lr=0.02,
+                               learn_clip=True)
+        with torch.enable_grad():
+            out = refine_layer(p, stage, torch.float32)
+        assert not out[0].stats["autoround_kept_start"]
+        results.append([q.weight for q in out])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_token_relative_loss_serves_the_ordinary_tokens_a_massive_activation_would_drown():
+    """One token per chunk 300x louder (a massive activation, as the demo model's first token from layer 11 on):
+    the plain mean squared error spends the descent on it; the token-relative loss lowers the other tokens'
+    relative error further."""
+    errors = {}
+    for loss in ("mse", "token_relative"):
+        torch.manual_seed(5)
+        block = _Block()
+        x = _inputs()
+        x[::128] *= 300
+        with torch.no_grad():
+            ref = block(x)
+        spec = get_scheme("W4A16").with_overrides(group_size=32).weights
+        floats, starts = _start(block, x, spec, "rtn")
+        stage = AutoRoundStage(method="autoround", scheme="W4A16", group_size=32, init="rtn", steps=60, lr=0.01,
+                               loss=loss)
+        with torch.enable_grad():
+            out = refine_layer(_problem(block, x, ref, floats, starts, spec), stage, torch.float32)
+        for m, q in zip((block.gate, block.up, block.down), out):
+            m.weight.data = q.weight
+        with torch.no_grad():
+            rel = ((block(x) - ref).pow(2).sum(-1) / ref.pow(2).sum(-1))
+        ordinary = torch.ones(len(x), dtype=torch.bool)
+        ordinary[::128] = False
+        errors[loss] = (float(rel[ordinary].mean()), float(rel[~ordinary].mean()))
+    assert errors["token_relative"][0] < 0.9 * errors["mse"][0], errors
+
+
 def test_autoround_refuses_float_grids():
     with pytest.raises(ValueError, match="int grid"):
         AutoRoundStage(method="autoround", scheme="NVFP4A16")

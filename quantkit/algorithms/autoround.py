@@ -12,7 +12,7 @@ walk's group pass, so the result can only start from a good point. Then, for the
   activations, a second stream the walk carries; so each layer also undoes what the quantized layers before it
   changed) or with the float layer on the same inputs (`float_layer`) (mean squared error), gradients reach V and the factors through straight-through rounding, and every
   parameter moves by `lr x sign(gradient)` with lr decaying linearly to zero over `steps`;
-- the parameters with the lowest chunk loss seen are kept, and they replace the start only if they also
+- the parameters with the lowest chunk loss seen (as a fraction of the start's loss on that chunk) are kept, and they replace the start only if they also
   lower the error over every calibration chunk: the refinement never leaves a layer worse than its start.
 
 What is learned is frozen to the integer grid: the export holds ordinary int codes and scales (int4/int8,
@@ -59,6 +59,12 @@ class AutoRoundStage(GPTQStage):
         "layer (the float layer on the float model's activations, carried beside the quantized ones: each layer "
         "also corrects the drift of the quantized layers before it), or the float layer on the quantized model's "
         "activations (no second stream)")
+
+    loss: Literal["mse", "token_relative"] = Field(
+        "mse", description="the layer's output error: mse (every element alike), or token_relative (each token's "
+        "squared error divided by its reference's mean square, as the next RMSNorm reads the residual stream: a "
+        "massive-activation token, 98% of the squared norm from the demo model's layer 11 on, no longer decides "
+        "every step)")
 
     @model_validator(mode="after")
     def _int_grid(self) -> "AutoRoundStage":
@@ -217,6 +223,7 @@ class LayerProblem:
     start_outputs: list[torch.Tensor] | None = None
     # set by refine_layer: the output per chunk of what it returns (the start's or the learned weights')
     outputs: list[torch.Tensor] | None = None
+    weights: list[torch.Tensor | None] | None = None  # set by refine_layer: each chunk's token weights (loss)
 
 
 def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtype) -> list[QuantizedWeight]:
@@ -224,11 +231,12 @@ def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtyp
     error over every calibration chunk. Stats per weight: the layer's error before and after, steps, seconds."""
     t0 = time.perf_counter()
     start_out = p.start_outputs if p.start_outputs is not None else _outputs(p)  # module weights: the start's
+    p.weights = _token_weights(p.reference, stage.loss)
     start_err = _layer_error(p, start_out)
     grids = [LearnedGrid(w, q, p.spec, stage.init, scale_dtype).to(w.device) for w, q in zip(p.floats, p.starts)]
     params = [g.V for g in grids] + ([t for g in grids for t in g.range_factors()] if stage.learns_ranges else [])
     with _learned(p.modules, grids):
-        best = _descend(p, grids, params, stage)
+        best = _descend(p, grids, params, stage, _chunk_losses(p, start_out))
         with torch.no_grad():
             for prm, b in zip(params, best):
                 prm.copy_(b)
@@ -247,24 +255,27 @@ def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtyp
     return out
 
 
-def _descend(p: LayerProblem, grids: list[LearnedGrid], params: list[nn.Parameter],
-             stage: AutoRoundStage) -> list[torch.Tensor]:
-    """Sign-gradient descent over the chunks in turn; returns the parameters with the lowest chunk loss seen."""
-    best_loss, best = float("inf"), [prm.detach().clone() for prm in params]
+def _descend(p: LayerProblem, grids: list[LearnedGrid], params: list[nn.Parameter], stage: AutoRoundStage,
+             start_losses: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sign-gradient descent over the chunks in turn; returns the parameters whose chunk loss was the lowest
+    fraction of the start's loss on the same chunk (chunks differ in how hard they are: by the raw loss, the
+    easiest chunk's steps would always win and the last steps on the others never could)."""
+    best_rel, best = float("inf"), [prm.detach().clone() for prm in params]
     for t in range(stage.steps):
         i = t % len(p.reference) if p.reference else None
         if i is None:  # a process with no chunk: it adds nothing to the sums
-            loss, grads = torch.zeros(()), [torch.zeros_like(prm) for prm in params]
+            loss, start, grads = torch.zeros(()), torch.zeros(()), [torch.zeros_like(prm) for prm in params]
         else:
-            loss = nn.functional.mse_loss(p.forward(i).float(), p.reference[i].float())  # one fused op each way
+            loss = _error(p.forward(i), p.reference[i], p.weights[i])
             grads = list(torch.autograd.grad(loss, params))
-            loss = loss.detach()
+            loss, start = loss.detach(), start_losses[i].clone()  # the sum below is in place
         if p.all_reduce is not None:
-            p.all_reduce([loss.reshape(1), *grads])
+            p.all_reduce([loss.reshape(1), start.reshape(1), *grads])
+        rel = float(loss) / max(float(start), 1e-30)  # across processes: the ratio of the sums
         if t % 10 == 0:
-            log.debug("autoround step %d: chunk loss %.6g", t, float(loss))
-        if float(loss) < best_loss:  # the loss of the parameters before this step's update
-            best_loss = float(loss)
+            log.debug("autoround step %d: chunk loss %.6g (%.4f of the start's)", t, float(loss), rel)
+        if rel < best_rel:  # the loss of the parameters before this step's update
+            best_rel = rel
             best = [prm.detach().clone() for prm in params]
         lr = stage.step_size * (1.0 - t / stage.steps)
         with torch.no_grad():
@@ -281,11 +292,31 @@ def _outputs(p: LayerProblem) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
+def _chunk_losses(p: LayerProblem, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each chunk's error against its reference (as the descent's loss computes it)."""
+    return [_error(y, ref, w) for y, ref, w in zip(outputs, p.reference, p.weights)]
+
+
+def _token_weights(reference: list[torch.Tensor], loss: str) -> list[torch.Tensor | None]:
+    """Per chunk, each token's weight in the error [..., tokens, 1]: None (mse), or 1 / the token's mean square."""
+    if loss == "mse":
+        return [None] * len(reference)
+    return [ref.float().pow(2).mean(-1, keepdim=True).clamp(min=1e-12).reciprocal() for ref in reference]
+
+
+def _error(y: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """The mean over the chunk's elements of the squared error, each token's weighted (one fused op for mse)."""
+    if weight is None:
+        return nn.functional.mse_loss(y.float(), ref.float())
+    return (y.float() - ref.float()).pow(2).mul(weight).mean()
+
+
+@torch.no_grad()
 def _layer_error(p: LayerProblem, outputs: list[torch.Tensor]) -> float:
     """Squared error of the layer's outputs against the reference, per element, over every chunk (and process)."""
     sse, n = torch.zeros(()), torch.zeros(())
-    for y, ref in zip(outputs, p.reference):
-        sse += (y.float() - ref.float()).pow(2).sum().cpu()
+    for y, ref, w in zip(outputs, p.reference, p.weights):
+        sse += _error(y, ref, w).cpu() * ref.numel()
         n += ref.numel()
     acc = [sse.reshape(1).double(), n.reshape(1).double()]
     if p.all_reduce is not None:
