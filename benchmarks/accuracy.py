@@ -43,7 +43,7 @@ def _rows(steps: int) -> dict[str, list[str]]:
         "gptq-mse": [f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
         "awq-gptq": [AWQ, f"{{method: gptq, {W4}, actorder: static}}"],
         "autoround-rtn": [f"{{{ar}, init: rtn}}"],
-        "autoround-rtn-tok": [f"{{{ar}, init: rtn, loss: token_relative}}"],
+        "autoround-rtn-mseloss": [f"{{{ar}, init: rtn, loss: mse}}"],  # the plain mean squared error as the loss
         "autoround-gptq": [f"{{{ar}, init: gptq}}"],
         "autoround-gptq-mse": [f"{{{ar}, init: gptq, observer: mse}}"],
         "awq-autoround-gptq": [AWQ, f"{{{ar}, init: gptq}}"],
@@ -53,8 +53,6 @@ def _rows(steps: int) -> dict[str, list[str]]:
         "rotate-awq-gptq-mse": [ROT, AWQ, f"{{method: gptq, {W4}, actorder: static, observer: mse}}"],
         "rotate-autoround-gptq-mse": [ROT, f"{{{ar}, init: gptq, actorder: static, observer: mse}}"],
         "rotate-autoround-rtn": [ROT, f"{{{ar}, init: rtn}}"],
-        "rotate-autoround-gptq-mse-tok": [ROT, f"{{{ar}, init: gptq, actorder: static, observer: mse, "
-                                               "loss: token_relative}"],
         "autoround-rtn-layer": [f"{{{ar}, init: rtn, reference: float_layer}}"],  # the float layer's output as target
         # W8A8 (int8 channels, dynamic per-token int8 activations)
         "w8a8-rtn": ["{method: rtn, scheme: W8A8}"],

@@ -61,10 +61,10 @@ class AutoRoundStage(GPTQStage):
         "activations (no second stream)")
 
     loss: Literal["mse", "token_relative"] = Field(
-        "mse", description="the layer's output error: mse (every element alike), or token_relative (each token's "
+        "token_relative", description="the layer's output error: mse (every element alike), or token_relative (each token's "
         "squared error divided by its reference's mean square, as the next RMSNorm reads the residual stream: a "
         "massive-activation token, 98% of the squared norm from the demo model's layer 11 on, no longer decides "
-        "every step)")
+        "every step; on the demo model 1.116 -> 1.111 perplexity ratio, README Accuracy)")
 
     @model_validator(mode="after")
     def _int_grid(self) -> "AutoRoundStage":
