@@ -152,8 +152,8 @@ class LearnedGrid(nn.Module):
         self.register_buffer("cols", start.columns())
         self.g_idx = start.g_idx
         s = start.scale.float()
-        if spec.symmetric:  # the start's scale, shrunk by the range factor (its sign kept: full_range signed)
-            hi, lo = s, s
+        if spec.symmetric:  # hi: the start's scale, shrunk by the range factor (its sign kept: full_range signed)
+            hi, lo = s, None
         else:  # the range the start's grid covers
             hi, lo = (spec.qmax - start.zero_point) * s, (spec.qmin - start.zero_point) * s
         self.register_buffer("hi", hi)
@@ -232,16 +232,17 @@ def refine_layer(p: LayerProblem, stage: AutoRoundStage, scale_dtype: torch.dtyp
     t0 = time.perf_counter()
     start_out = p.start_outputs if p.start_outputs is not None else _outputs(p)  # module weights: the start's
     p.weights = _token_weights(p.reference, stage.loss)
-    start_err = _layer_error(p, start_out)
+    start_losses = _chunk_losses(p, start_out)
+    start_err = _layer_error(p, start_losses)
     grids = [LearnedGrid(w, q, p.spec, stage.init, scale_dtype).to(w.device) for w, q in zip(p.floats, p.starts)]
     params = [g.V for g in grids] + ([t for g in grids for t in g.range_factors()] if stage.learns_ranges else [])
     with _learned(p.modules, grids):
-        best = _descend(p, grids, params, stage, _chunk_losses(p, start_out))
+        best = _descend(p, grids, params, stage, start_losses)
         with torch.no_grad():
             for prm, b in zip(params, best):
                 prm.copy_(b)
         end_out = _outputs(p)
-        end_err = _layer_error(p, end_out)
+        end_err = _layer_error(p, _chunk_losses(p, end_out))
         learned = [g.frozen({}) for g in grids]
     kept = end_err >= start_err
     p.outputs = start_out if kept else end_out
@@ -312,11 +313,11 @@ def _error(y: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor | None) -> t
 
 
 @torch.no_grad()
-def _layer_error(p: LayerProblem, outputs: list[torch.Tensor]) -> float:
-    """Squared error of the layer's outputs against the reference, per element, over every chunk (and process)."""
+def _layer_error(p: LayerProblem, chunk_losses: list[torch.Tensor]) -> float:
+    """The layer's error per element over every chunk (and process), from each chunk's (_chunk_losses)."""
     sse, n = torch.zeros(()), torch.zeros(())
-    for y, ref, w in zip(outputs, p.reference, p.weights):
-        sse += _error(y, ref, w).cpu() * ref.numel()
+    for loss, ref in zip(chunk_losses, p.reference):
+        sse += loss.cpu() * ref.numel()
         n += ref.numel()
     acc = [sse.reshape(1).double(), n.reshape(1).double()]
     if p.all_reduce is not None:

@@ -111,8 +111,8 @@ def signed_scale(wmin: torch.Tensor, wmax: torch.Tensor, qmin: int, scale_dtype:
     tie), so e lands exactly on qmin (-8 at 4 bits) and all 2^bits codes are spaced absmax / 2^(bits-1); the
     scale is negative where the max is the larger. The other end clips by at most one step. Magnitudes are kept
     >= 1e-10 like the unsigned rules, and rounded to the storage dtype (rounding is symmetric in the sign)."""
-    e = torch.where(-wmin.clamp(max=0) >= wmax.clamp(min=0), wmin.clamp(max=0), wmax.clamp(min=0))
-    scale = e / qmin
+    lo, hi = wmin.clamp(max=0), wmax.clamp(min=0)
+    scale = torch.where(-lo >= hi, lo, hi) / qmin
     magnitude = scale.abs().clamp(min=1e-10)
     return torch.where(scale < 0, -magnitude, magnitude).to(scale_dtype).float()
 
