@@ -237,7 +237,7 @@ def _quantize_layers(inp: Inputs, calib, work, start: int, opts: RunOptions):
 
     timing = for_device(inp.placed[0])
     job = Job(inp.plan, getattr(torch, inp.recipe.model.dtype), compute=getattr(torch, inp.compute[0]),
-              on_weight=opts.on_weight, ranks=opts.ranks, timing=timing)
+              on_weight=opts.on_weight, ranks=opts.ranks, timing=timing, spill=work.spill / f"rank{opts.ranks.rank}")
     walk = Walk(inp.model, inp.arch, inp.source, inp.plan, inp.placed[0], job.compute, opts.ranks, timing)
     process_layers(walk, job, work, start, calib.input_ids if calib else None, opts.quiet)
     return job

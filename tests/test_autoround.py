@@ -3,6 +3,8 @@ with outlier input channels, GPTQ and RTN as the independent starting points, er
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -438,3 +440,41 @@ def test_reusing_freed_memory_spares_the_page_faults_of_a_repeated_allocation():
         inside = faults_of_a_loop()
     assert outside >= 20 * 2048 * 0.9  # a page fault per 4 KB page of every tensor (THP may merge a few)
     assert inside < outside / 4
+
+
+def test_giving_back_freed_memory_returns_the_freed_heap_between_a_loops_blocks():
+    """Inside reusing_freed_memory freed blocks stay resident for reuse; inside giving_back_freed_memory a loop's
+    give_back_free_memory() returns them (the heap's resident pages drop by what was freed), and outside it
+    the call does nothing."""
+    from quantkit.io import _libc, give_back_free_memory, giving_back_freed_memory, reusing_freed_memory
+
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim") or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("not glibc on Linux: the heap and its trim are glibc's")
+
+    def heap_mb() -> float:
+        kb, here = 0, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                here = len(head) > 5 and head[5] == "[heap]"
+            elif here and head[0] == "Rss:":
+                kb += int(head[1])
+        return kb / 1024
+
+    def freed_blocks() -> None:  # 40 x 4 MB written through, kept alive together, then freed
+        held = [torch.ones(1 << 20) for _ in range(40)]
+        del held
+
+    with reusing_freed_memory():
+        freed_blocks()
+        before = heap_mb()
+        give_back_free_memory()  # outside giving_back_freed_memory: nothing
+        kept = heap_mb()
+        with giving_back_freed_memory():
+            freed_blocks()
+            full = heap_mb()
+            give_back_free_memory()
+            returned = heap_mb()
+    assert before >= 150 and kept >= before - 10  # the 160 MB freed stayed resident
+    assert full >= 150 and returned <= full - 140

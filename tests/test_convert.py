@@ -450,9 +450,40 @@ def test_weights_the_chunks_have_passed_are_dropped_and_the_export_is_unchanged(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_dropped_weight_read_again_is_put_back_bit_for_bit(caplog):
+def test_large_groups_typed_results_wait_on_disk_and_the_export_is_unchanged(tiny_llama, calib_text, tmp_path,
+                                                                             monkeypatch):
+    """A large group's typed results wait in the work folder's spill files until their layer is saved (for an
+    8B layer, q/k/v/o and gate/up's 151 MB of codes at down_proj's solve): with every group counted large, the
+    export is bit for bit the one made with everything in memory, the spill files existed while layers were
+    solved, and none is left behind."""
+    from quantkit.quantize import layers, workdir
+
+    spilled: list[Path] = []
+    real = workdir.SpilledTyped.__init__
+
+    def spy(self, path, tensors):
+        real(self, path, tensors)
+        assert path.is_file()
+        spilled.append(path)
+
+    monkeypatch.setattr(workdir.SpilledTyped, "__init__", spy)
+    stages = [{"method": "gptq", "scheme": "W4A16", "group_size": 16, "actorder": "static"}]
+    outs = {}
+    for large in (1, 1 << 60):
+        monkeypatch.setattr(layers, "TRIM_AFTER", large)
+        outs[large] = tmp_path / f"large-{large}"
+        api.convert(parse_recipe(tiny_recipe(tiny_llama, calib_text, stages)), outs[large], quiet=True)
+    assert len(spilled) == 14  # 7 Linears in each of the 2 layers, every one spilled once, none in the second run
+    assert not any(p.exists() for p in spilled)
+    a, b = _layer_tensors(outs[1]), _layer_tensors(outs[1 << 60])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_a_dropped_weight_read_again_is_put_back_bit_for_bit(caplog, tmp_path, spill):
     """A forward that reaches a dropped module (a plan whose group order differs from the forward's) gets the
-    weight back from the typed result, equal to the dequantized weight it held, and the log says so."""
+    weight back from the typed result (in memory, or waiting in a spill file), equal to the dequantized weight
+    it held, and the log says so."""
     from quantkit.algorithms import rtn
     from quantkit.algorithms.contract import ModuleResult, Observations
     from quantkit.quantize.layers import _PassedWeights
@@ -468,7 +499,8 @@ def test_a_dropped_weight_read_again_is_put_back_bit_for_bit(caplog):
     deq = q.weight.to(torch.bfloat16)
     root.proj.weight.data = deq.clone()
     res = ModuleResult("model.layers.0.proj", {}, q, spec)
-    compact(res)
+    compact(res, tmp_path / "spill" if spill else None)
+    assert (tmp_path / "spill" / "model.layers.0.proj.safetensors").is_file() == spill
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x, deq, root.proj.bias)
     passed = _PassedWeights()
@@ -480,6 +512,8 @@ def test_a_dropped_weight_read_again_is_put_back_bit_for_bit(caplog):
     assert torch.equal(got, want) and torch.equal(root.proj.weight, deq)
     assert any("after its group was passed" in m for m in caplog.messages)
     passed.remove()
+    del passed, res  # a spill file goes with its result
+    assert not (tmp_path / "spill" / "model.layers.0.proj.safetensors").exists()
 
 
 class _Prefix:

@@ -277,14 +277,15 @@ def test_hessian_by_slabs_is_the_symmetric_gram_matrix(monkeypatch, slab):
     assert torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("n", [160, 190])  # bands of whole slabs: 64 + 96, and 64 + 126 with a ragged last slab
-def test_bf16_inputs_hessian_holds_half_of_them_in_fp32(monkeypatch, n):
-    """Inputs that are not fp32 are made fp32 half at a time: no product reads more than the larger half's
-    columns (a whole fp32 copy is read at the last slab), and H is still 2/n X^T X against float64, exactly
+@pytest.mark.parametrize("n", [256, 190])  # bands of two slabs: 4 x 64, and 64 + 64 + 62 with a ragged last slab
+def test_bf16_inputs_hessian_holds_a_quarter_of_them_in_fp32(monkeypatch, n):
+    """Inputs that are not fp32 are made fp32 a band of at most a quarter of their columns (whole slabs) at a
+    time: no product reads more than one band's columns, and H is still 2/n X^T X against float64, exactly
     symmetric, and the same bit for bit whether the chunks are added here or folded from partials."""
     from quantkit.algorithms import gptq
 
     monkeypatch.setattr(gptq, "SLAB_ROWS", 32)
+    monkeypatch.setattr(gptq, "BAND_BYTES", 0)  # (a band may be wider where it stays within BAND_BYTES)
     widths = []
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: (widths.append(b.shape[1]), real_mm(a, b))[1])
@@ -295,7 +296,7 @@ def test_bf16_inputs_hessian_holds_half_of_them_in_fp32(monkeypatch, n):
         here.add(chunk)
         part, k = elsewhere.partial(chunk)
         folded.fold(part.clone(), k)
-    assert widths and max(widths) <= n - 64  # the second band's width (the first: 64 = whole slabs of n // 2)
+    assert widths and max(widths) == 64  # one band: whole 32-row slabs covering a quarter of n (64 or 47.5)
     H = here.H
     assert torch.equal(H, H.t()) and torch.equal(H, folded.H)
     assert torch.allclose(H.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

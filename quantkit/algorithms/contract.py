@@ -12,6 +12,7 @@ output unchanged. It may also refine the scaled weights after the fold (AWQ's cl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -124,4 +125,4 @@ class ModuleResult:
     rewritten: dict[str, torch.Tensor] = field(default_factory=dict)
     # the weight in the work folder's typed form (codes, scale, ...: 1 byte per weight instead of 4), made as
     # soon as nothing in the layer reads the dequantized weight again
-    typed: dict[str, torch.Tensor] | None = None
+    typed: Mapping[str, torch.Tensor] | None = None

@@ -39,12 +39,16 @@ from pydantic import Field
 from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
                                     quantize_codes, rows_per_block)
 from quantkit.algorithms import sweep_kernel
+from quantkit.io import give_back_free_memory
 from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
 from quantkit.schemes import WeightSpec
 from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
 
 
 SLAB_ROWS = 512  # rows of H computed per product: the work buffers are SLAB_ROWS x in, not in x in
+# inputs that are not fp32 are made fp32 a band at a time: whole slabs, at most 1/BANDS of the columns, or more
+# where that stays within BAND_BYTES (a small model's inputs are converted once, in one band)
+BANDS, BAND_BYTES = 4, 32 << 20
 
 
 class HessianAccumulator:
@@ -121,45 +125,48 @@ def _add_lower_gram_(target: torch.Tensor, x: torch.Tensor) -> int:
         if x.dtype == torch.float32:
             _lower_gram_band_(target, x.contiguous(), 0)
         else:
-            _lower_gram_two_bands_(target, x)
+            _lower_gram_bands_(target, x)
     return x.shape[0]
 
 
-def _lower_gram_band_(target: torch.Tensor, band: torch.Tensor, b0: int, left: torch.Tensor | None = None,
-                      own: bool = True) -> None:
-    """Into target's rows b0.. (the band's columns), a slab of SLAB_ROWS rows at a time: with `left` (the fp32
-    columns before the band), the band against them; with `own`, the lower triangle of the band against itself
-    (`band` then fp32). A slab that is not fp32 is converted alone."""
+def _lower_gram_band_(target: torch.Tensor, band: torch.Tensor, b0: int,
+                      left: tuple[int, torch.Tensor] | None = None, own: bool = True) -> None:
+    """Into target's rows b0.. (the band's columns), a slab of SLAB_ROWS rows at a time: with `left` (l0, the
+    fp32 columns l0.. of an earlier band), the band against them; with `own`, the lower triangle of the band
+    against itself (`band` then fp32). A slab that is not fp32 is converted alone."""
     n = band.shape[1]
     for r0 in range(0, n, SLAB_ROWS):
         r1 = min(r0 + SLAB_ROWS, n)
         cols = band[:, r0:r1].float()  # (no copy where fp32)
         rows = target[b0 + r0:b0 + r1]
         if left is not None:
-            rows[:, :left.shape[1]].add_(torch.mm(cols.t(), left))
+            l0, lcols = left
+            rows[:, l0:l0 + lcols.shape[1]].add_(torch.mm(cols.t(), lcols))
         if own:
             if r0:
                 rows[:, b0:b0 + r0].add_(torch.mm(cols.t(), band[:, :r0]))
             rows[:, b0 + r0:b0 + r1].add_(torch.mm(cols.t(), cols).tril_())
 
 
-def _lower_gram_two_bands_(target: torch.Tensor, x: torch.Tensor) -> None:
-    """The same products for inputs that are not fp32 (bf16 compute), with half the fp32 copy: the first half of
-    the columns (whole slabs) in fp32 for its own triangle, then the second half's slabs, each converted alone,
-    against it; then, the first half dropped, the second half in fp32 for its own triangle. Every element of
-    H still gets one dot product over every token; the inputs are converted 1.5 times instead of once, and the
-    peak holds half of them in fp32 (an 8B down_proj's 4,096 tokens: 118 MB instead of 235 MB beside its
-    822 MB Hessian, where the conversion's peak sits)."""
+def _lower_gram_bands_(target: torch.Tensor, x: torch.Tensor) -> None:
+    """The same products for inputs that are not fp32 (bf16 compute), a band of them in fp32 at a time: the
+    columns cut into bands of whole slabs, a quarter of them (BANDS) or what fits in BAND_BYTES; each band in turn is made fp32 for its own
+    triangle, then the later bands' slabs, each converted alone, are multiplied against it. Every element of
+    H still gets one dot product over every token; the inputs are converted up to (BANDS + 1) / 2 times instead
+    of once, and the peak holds a band of them in fp32 (an 8B down_proj's 4,096 tokens: 59 MB instead of 235 MB
+    beside its 822 MB Hessian, where the conversion's peak sits)."""
     n = x.shape[1]
-    half = (n // 2) // SLAB_ROWS * SLAB_ROWS
-    if half == 0:  # fewer than two slabs: one copy, converted once
-        _lower_gram_band_(target, x.float(), 0)
-        return
-    first = x[:, :half].float()
-    _lower_gram_band_(target, first, 0)
-    _lower_gram_band_(target, x[:, half:], half, left=first, own=False)
-    del first
-    _lower_gram_band_(target, x[:, half:].float(), half)
+    quarter = -(-n // (BANDS * SLAB_ROWS)) * SLAB_ROWS  # n / BANDS, rounded up to whole slabs
+    small = BAND_BYTES // (4 * x.shape[0]) // SLAB_ROWS * SLAB_ROWS  # whole slabs within BAND_BYTES of fp32
+    width = max(quarter, small, SLAB_ROWS)
+    starts = range(0, n, width)
+    for b0 in starts:
+        band = x[:, b0:b0 + width].float()
+        _lower_gram_band_(target, band, b0)
+        for c0 in starts:
+            if c0 > b0:
+                _lower_gram_band_(target, x[:, c0:c0 + width], c0, left=(b0, band), own=False)
+        del band
 
 
 @functools.cache
@@ -376,6 +383,7 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
     return gptq_solve_stacked([W], f, spec, block_size, actorder, scale_dtype, search)[0]
 
 
+GIVE_BACK_EVERY = 8  # blocks of the sweep between two returns of the freed heap, where the caller asks for them
 STACK_WEIGHTS = 16 << 20  # weights swept together at most: fp32 copies of W and Q of 128 MB
 
 
@@ -527,6 +535,9 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
         if i2 < in_f:  # -= [out, b] @ [b, in - i2], in place: one product per stacked weight, as it has alone
             for r0, r1 in s.bounds or [(0, W.shape[0])]:
                 W[r0:r1, i2:].addmm_(E[r0:r1], U_rows[:, i2 - i1:], alpha=-1)
+        del U_rows, E
+        if i1 // block_size % GIVE_BACK_EVERY == GIVE_BACK_EVERY - 1:
+            give_back_free_memory()  # (a large group's solve: quantkit.io.giving_back_freed_memory)
 
 
 def _compiled_block(s: _Sweep, i1: int, i2: int, U: torch.Tensor, compiled) -> torch.Tensor:
@@ -634,6 +645,7 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
     out = []
     if weights:
         f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder, consume=obs.consumable)
+        give_back_free_memory()  # the factorisation's freed blocks, before the sweeps' fp32 copies
         for batch in _stacks(weights):
             for res in gptq_solve_stacked(batch, f, spec, stage.block_size, stage.actorder, scale_dtype,
                                           stage.scale_search(), keep_rounded):

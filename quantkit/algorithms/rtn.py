@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
+from quantkit.io import give_back_free_memory
 from quantkit.schemes import ActivationSpec, WeightSpec
 from quantkit.algorithms.base import QuantizerStage, ScaleSearchOptions
 
@@ -270,6 +271,8 @@ def hessian_energy(x: torch.Tensor, H: torch.Tensor, dtype: torch.dtype = torch.
         Hs = H[c:c + SQNR_SLAB].to(dtype)  # [slab, in] = H[:, slab]^T
         v = x[:, c:c + SQNR_SLAB].float() - (minus[:, c:c + SQNR_SLAB].float() if minus is not None else 0.0)
         total += ((vc @ Hs.t()).float() * v).sum(1).double().sum()  # fp32 within a row's slab, fp64 across
+        del Hs, v
+        give_back_free_memory()  # (a large group's: quantkit.io.giving_back_freed_memory)
     return float(total)
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -35,7 +36,7 @@ from quantkit.quantize.transforms import apply_transforms
 from quantkit.model.checkpoint import to_layer_device
 from quantkit.quantize.timing import PhaseTimes
 from quantkit.quantize.walk import ChunkScheduler, LayerInput, Walk, observing, pause_chunk
-from quantkit.io import release_free_memory
+from quantkit.io import giving_back_freed_memory, release_free_memory
 from quantkit.quantize.workdir import WorkDir, compact, decode_weight
 
 log = logging.getLogger("quantkit")
@@ -63,6 +64,9 @@ class Job:
     # this process's place when the calibration is split across processes (quantkit/distributed.py)
     ranks: Ranks = SINGLE
     timing: PhaseTimes = field(default_factory=PhaseTimes)  # seconds per phase (quantkit/quantize/timing.py)
+    # where a large group's typed results wait on disk for their layer's save (this process's own folder;
+    # quantkit/quantize/workdir.py: SpilledTyped); None: they stay in memory
+    spill: Path | None = None
 
     @property
     def diagnostics_dtype(self) -> torch.dtype:
@@ -418,18 +422,18 @@ def _quantize_observed_group(layer: nn.Module, plan: LayerPlan, g: int, members:
     """Group g, once every chunk has shown it its inputs: quantized (by its experts' rules in a sparse block),
     its observations kept for a layer pass that refines a member, and its results held in their typed form."""
     large = sum(layer.get_submodule(t.name[len(plan.prefix):]).weight.numel() for t in members) >= TRIM_AFTER
-    if large:  # the solve's fp32 copies come next: the heap's free pages back first
-        release_free_memory()
-    if experts is not None and g in plan.experts:
-        got = experts.quantize(g, members, obs)
-    else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
-        obs.consumable = refining is None or not any(t.name in refining.floats for t in members)
-        got = quantize_group(layer, plan.prefix, members, job, obs)
+    # a large group: the heap's free pages back before its solve's fp32 copies, and between the solve's blocks
+    with giving_back_freed_memory() if large else contextlib.nullcontext():
+        if experts is not None and g in plan.experts:
+            got = experts.quantize(g, members, obs)
+        else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
+            obs.consumable = refining is None or not any(t.name in refining.floats for t in members)
+            got = quantize_group(layer, plan.prefix, members, job, obs)
     if refining is not None:
         refining.keep(members, obs)
-    for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight
+    for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight (a large group's on disk)
         if refining is None or r.name not in refining.floats:
-            compact(r)
+            compact(r, job.spill if large else None)
     if large:
         del obs
         release_free_memory()  # a large group's freed blocks, wherever in the heap they sit

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -58,11 +60,46 @@ def encode_weight(name: str, q: QuantizedWeight, spec: WeightSpec) -> dict[str, 
     return {k: v.detach().cpu().contiguous().clone() if k != f"{name}.codes" else v for k, v in out.items()}
 
 
-def compact(r: ModuleResult) -> None:
+def compact(r: ModuleResult, spill: Path | None = None) -> None:
     """Hold a module's result in its typed form from now on (the dequantized fp32 weight is dropped): for a
-    Llama-3.1-8B-shape layer 218 MB instead of 872 MB while the later groups are solved."""
+    Llama-3.1-8B-shape layer 218 MB instead of 872 MB while the later groups are solved. With `spill` (a
+    folder), the typed tensors wait there on disk instead (`SpilledTyped`) until the layer is saved."""
     if r.typed is None:
         r.typed, r.weight = encode_weight(r.name, r.weight, r.spec), None
+    if spill is not None and not isinstance(r.typed, SpilledTyped):
+        r.typed = SpilledTyped(spill / f"{r.name}.safetensors", r.typed)
+
+
+class SpilledTyped(Mapping):
+    """A module's typed tensors kept in a file of their own until the layer is saved, read back (each into its
+    own memory, not through a memory map) when asked for; the file goes when this object does.
+
+    What it is for: a layer's earlier groups' codes are held while its later groups are solved, and on an
+    8B-shape layer the last solve (down_proj: its 822 MB factor beside the weight's fp32 copy) is where the
+    conversion's peak sits; q/k/v/o and gate/up's codes are 151 MB of it. Written ones sit in the page cache,
+    which the kernel may drop, not in the process's resident set."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]):
+        from quantkit.model.checkpoint import LazyCheckpoint
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(dict(tensors), str(tmp))
+        tmp.replace(path)
+        self.path, self._keys = path, list(tensors)
+        self._file = LazyCheckpoint(path.parent, files=[path])
+        weakref.finalize(self, path.unlink, missing_ok=True)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._file.get(key)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
@@ -112,7 +149,14 @@ class WorkDir:
         p = self.root / "state.json"
         return json.loads(p.read_text()) if p.is_file() else None
 
+    @property
+    def spill(self) -> Path:
+        """Where a layer's large typed results wait for the layer's save (`SpilledTyped`): scratch, emptied
+        whenever a conversion starts or resumes here."""
+        return self.root / "spill"
+
     def start(self, fingerprint: dict, restart: bool) -> int:
+        shutil.rmtree(self.spill, ignore_errors=True)
         st = self.state()
         if st is not None and st["fingerprint"] != fingerprint:
             if not restart:
