@@ -521,38 +521,3 @@ def test_weight_sqnr_matches_a_float64_sum(shape):
     assert sqnr_db(ref, approx) == pytest.approx(exact, abs=1e-4)
     assert sqnr_db(ref.double(), approx.double()) == pytest.approx(exact, abs=1e-9)
     assert sqnr_db(ref, ref.float()) == float("inf")
-
-
-@pytest.mark.parametrize("scheme,actorder", [("W4A16", "static"), ("W4A16", "group"), ("W4A16_ASYM", "static"),
-                                             ("W8A8", "none")])
-def test_a_large_weight_swept_by_row_tiles_gets_the_whole_sweeps_result(monkeypatch, scheme, actorder):
-    """A large integer-grid weight is swept a tile of rows at a time, each tile held as its codes until the factor
-    is gone: the result (weight, scales, zero points, g_idx, loss) is bit for bit the one sweep's over all rows,
-    its output noise the same sum, the sweep never copies more than a tile to fp32, and a consumable Hessian
-    (the factor's buffer) is let go."""
-    from quantkit.algorithms import gptq
-    from quantkit.algorithms.contract import Observations
-
-    torch.manual_seed(3)
-    n, out = 512, 1024
-    X = _inputs(1200, n)
-    W = torch.randn(out, n) * 0.02
-    spec = SCHEMES[scheme].weights
-    stage = gptq.GPTQStage(method="gptq", scheme=scheme, group_size=128, actorder=actorder)
-    acc = HessianAccumulator(n)
-    acc.add(X)
-    monkeypatch.setattr(gptq, "TILE_FROM", 1 << 60)
-    whole = gptq.quantize([W], Observations(hessian=acc.H.clone()), spec, stage, torch.bfloat16)[0]
-    monkeypatch.setattr(gptq, "TILE_FROM", 1)
-    monkeypatch.setattr(gptq, "TILE_BYTES", 256 * n * 4)  # tiles of 256 rows
-    copies = []
-    real_stack = gptq._fp32_stack
-    monkeypatch.setattr(gptq, "_fp32_stack", lambda ws: (copies.append(sum(w.shape[0] for w in ws)), real_stack(ws))[1])
-    obs = Observations(hessian=acc.H.clone(), consumable=True)
-    tiled = gptq.quantize([W], obs, spec, stage, torch.bfloat16)[0]
-    assert copies == [256] * 4 and obs.hessian is None
-    assert torch.equal(tiled.weight, whole.weight) and torch.equal(tiled.scale, whole.scale)
-    for a, b in ((tiled.zero_point, whole.zero_point), (tiled.g_idx, whole.g_idx)):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    assert tiled.stats == whole.stats
-    assert tiled.output_noise == pytest.approx(whole.output_noise, rel=1e-9)

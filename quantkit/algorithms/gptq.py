@@ -36,8 +36,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, expand, group_size_for,
-                                    nvfp4_global_scale, quantize_codes, rows_per_block)
+from quantkit.algorithms.rtn import (QParams, compute_qparams, dequantize_codes, group_size_for, nvfp4_global_scale,
+                                    quantize_codes, rows_per_block)
 from quantkit.algorithms import sweep_kernel
 from quantkit.io import give_back_free_memory
 from quantkit.algorithms.contract import Observations, QuantizedWeight, ScaleSearch
@@ -659,95 +659,19 @@ def quantize(weights: list[torch.Tensor], obs: Observations, spec: WeightSpec, s
              scale_dtype: torch.dtype, keep_rounded: bool = False) -> list[QuantizedWeight]:
     """The group's weights share an input: one factorisation of its Hessian, then their sweeps, stacked up to
     STACK_WEIGHTS weights at a time (each weight's result is the same whichever others share the call, which
-    lets ranks split a group). A large weight on an integer grid is swept a tile of rows at a time
-    (`_TiledSweep`); where the Hessian is `consumable`, the factor (in its buffer) is let go before the tiles'
-    fp32 results are made."""
-    if not weights:
-        return []
-    f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder, consume=obs.consumable)
-    give_back_free_memory()  # the factorisation's freed blocks, before the sweeps' fp32 copies
-    solved: list = []
-    for batch in _stacks(weights):
-        if len(batch) == 1 and _TiledSweep.suits(batch[0], spec, keep_rounded):
-            solved.append(_TiledSweep(batch[0], f, spec, stage, scale_dtype))
-            continue
-        for res in gptq_solve_stacked(batch, f, spec, stage.block_size, stage.actorder, scale_dtype,
-                                      stage.scale_search(), keep_rounded):
-            solved.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
-                                          {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
-                                          global_scale=res.qparams.global_scale,
-                                          rounded=res.rounded, output_noise=res.noise))
-    if obs.consumable:  # the factor's buffer is the Hessian's: nothing reads either again
-        obs.hessian = None
-    del f
-    return [q.result() if isinstance(q, _TiledSweep) else q for q in solved]
-
-
-TILE_FROM = 16 << 20  # weights (elements) from which an integer-grid sweep runs a tile of rows at a time
-TILE_BYTES = 64 << 20  # a tile's fp32 working copy (each tile reads the whole factor again: 7 MB a block)
-
-
-class _TiledSweep:
-    """One large weight's sweep, a tile of rows at a time (GPTQ's rows are independent given the factor): each
-    tile's fp32 copy is swept, then held as its int8 codes; the fp32 result is made from them by `result`,
-    after the factor is gone. On an 8B down_proj the sweep then holds a 66 MB tile and 59 MB of codes beside
-    the 822 MB factor instead of the whole weight's 235 MB fp32 copy. Integer grids only (an NVFP4 scale
-    depends on the whole weight's global scale); tiles are whole 64-row runs, as stacked weights are. The codes
-    are exact (each tile's result is checked to be on its grid), so the result is what one sweep over the tiles'
-    rows gives: the same per-row arithmetic, the error feedback of each tile's rows one product of its own."""
-
-    def __init__(self, w: torch.Tensor, f: Factor, spec: WeightSpec, stage: GPTQStage, scale_dtype: torch.dtype):
-        self.shape, self.spec, self.damping = tuple(w.shape), spec, f.damping
-        rows = max(64, TILE_BYTES // (4 * w.shape[1]) // 64 * 64)
-        self.tiles: list[tuple[torch.Tensor, GPTQResult]] = []
-        for r0 in range(0, w.shape[0], rows):
-            res = gptq_solve_stacked([w[r0:r0 + rows]], f, spec, stage.block_size, stage.actorder, scale_dtype,
-                                     stage.scale_search(), keep_rounded=False)[0]
-            self.tiles.append((_codes(res, spec), res))
-            res.weight = None  # the tile's fp32 copy goes; its codes stay
-
-    @staticmethod
-    def suits(w: torch.Tensor, spec: WeightSpec, keep_rounded: bool) -> bool:
-        return (not keep_rounded and spec.type == "int" and w.device.type == "cpu" and w.numel() >= TILE_FROM
-                and w.numel() * 4 >= 2 * TILE_BYTES)
-
-    def result(self) -> QuantizedWeight:
-        parts = [res for _, res in self.tiles]
-        zp = None if parts[0].qparams.zero_point is None else torch.cat([r.qparams.zero_point for r in parts])
-        weight = torch.empty(self.shape, dtype=torch.float32)
-        r0 = 0
-        for codes, res in self.tiles:
-            step = rows_per_block(self.shape[1])
-            for a in range(0, codes.shape[0], step):
-                block = codes[a:a + step]
-                sc, z = _scales_per_column(res.qparams, res.g_idx, self.shape[1], slice(a, a + step))
-                weight[r0 + a:r0 + a + block.shape[0]] = dequantize_codes(block.float(), sc, z, self.spec)
-            r0 += codes.shape[0]
-        self.tiles = []
-        loss = float(torch.cat([r.loss for r in parts]).sum())
-        return QuantizedWeight(weight, torch.cat([r.qparams.scale for r in parts]), zp, parts[0].g_idx,
-                               {"gptq_loss": loss, "damping": self.damping},
-                               output_noise=sum(r.noise for r in parts))
-
-
-def _codes(res: GPTQResult, spec: WeightSpec) -> torch.Tensor:
-    """A sweep's result as int8 codes, a block of rows at a time, each block checked to be on its grid."""
-    w = res.weight
-    codes = torch.empty(w.shape, dtype=torch.int8)
-    step = rows_per_block(w.shape[1])
-    for a in range(0, w.shape[0], step):
-        sc, z = _scales_per_column(res.qparams, res.g_idx, w.shape[1], slice(a, a + step))
-        c = quantize_codes(w[a:a + step], sc, z, spec)
-        if not torch.equal(dequantize_codes(c, sc, z, spec), w[a:a + step]):
-            raise RuntimeError("GPTQ: a tile's result is not on its own grid (internal error)")
-        codes[a:a + step] = c
-    return codes
-
-
-def _scales_per_column(qp: QParams, g_idx: torch.Tensor | None, in_features: int, rows: slice):
-    """The scale and zero point of rows `rows`, per column ([rows, in])."""
-    return expand(QParams(qp.scale[rows], qp.zero_point[rows] if qp.zero_point is not None else None,
-                          qp.group_size), in_features, g_idx)
+    lets ranks split a group)."""
+    out = []
+    if weights:
+        f = gptq_factor(obs.hessian, stage.dampening_frac, stage.actorder, consume=obs.consumable)
+        give_back_free_memory()  # the factorisation's freed blocks, before the sweeps' fp32 copies
+        for batch in _stacks(weights):
+            for res in gptq_solve_stacked(batch, f, spec, stage.block_size, stage.actorder, scale_dtype,
+                                          stage.scale_search(), keep_rounded):
+                out.append(QuantizedWeight(res.weight, res.qparams.scale, res.qparams.zero_point, res.g_idx,
+                                           {"gptq_loss": float(res.loss.sum()), "damping": res.damping},
+                                           global_scale=res.qparams.global_scale,
+                                           rounded=res.rounded, output_noise=res.noise))
+    return out
 
 
 def _stacks(weights: list[torch.Tensor]) -> list[list[torch.Tensor]]:
