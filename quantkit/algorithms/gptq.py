@@ -150,11 +150,11 @@ def _lower_gram_band_(target: torch.Tensor, band: torch.Tensor, b0: int,
 
 def _lower_gram_bands_(target: torch.Tensor, x: torch.Tensor) -> None:
     """The same products for inputs that are not fp32 (bf16 compute), a band of them in fp32 at a time: the
-    columns cut into bands of whole slabs, a quarter of them (BANDS) or what fits in BAND_BYTES; each band in turn is made fp32 for its own
-    triangle, then the later bands' slabs, each converted alone, are multiplied against it. Every element of
-    H still gets one dot product over every token; the inputs are converted up to (BANDS + 1) / 2 times instead
-    of once, and the peak holds a band of them in fp32 (an 8B down_proj's 4,096 tokens: 59 MB instead of 235 MB
-    beside its 822 MB Hessian, where the conversion's peak sits)."""
+    columns cut into bands of whole slabs, a quarter of them (BANDS) or what fits in BAND_BYTES; each band in
+    turn is made fp32 for its own triangle, then the later bands' slabs, each converted alone, are multiplied
+    against it. Every element of H still gets one dot product over every token; the inputs are converted up to
+    (BANDS + 1) / 2 times instead of once, and the peak holds a band of them in fp32 (an 8B down_proj's 4,096
+    tokens: 59 MB instead of 235 MB beside its 822 MB Hessian, where the conversion's peak sits)."""
     n = x.shape[1]
     quarter = -(-n // (BANDS * SLAB_ROWS)) * SLAB_ROWS  # n / BANDS, rounded up to whole slabs
     small = BAND_BYTES // (4 * x.shape[0]) // SLAB_ROWS * SLAB_ROWS  # whole slabs within BAND_BYTES of fp32
@@ -311,7 +311,7 @@ def _upper_from_reversed_(A: torch.Tensor) -> torch.Tensor:
     what the factorisation did not touch): rows and columns reversed together (A[i, j] <- A[n-1-i, n-1-j]), a
     slab of rows against its mirror slab at a time, then zeros below the diagonal. Once per factor, so the
     sweep reads each block's rows as a view: before, each block copied its rows reversed (an 8B down_proj's
-    411 MB of copies per sweep, again for every tile of rows)."""
+    411 MB of copies per sweep)."""
     n = A.shape[0]
     for a in range(0, n // 2, SLAB_ROWS):
         b = min(a + SLAB_ROWS, n // 2)

@@ -422,21 +422,20 @@ def _quantize_observed_group(layer: nn.Module, plan: LayerPlan, g: int, members:
     """Group g, once every chunk has shown it its inputs: quantized (by its experts' rules in a sparse block),
     its observations kept for a layer pass that refines a member, and its results held in their typed form."""
     large = sum(layer.get_submodule(t.name[len(plan.prefix):]).weight.numel() for t in members) >= TRIM_AFTER
-    # a large group: the heap's free pages back before its solve's fp32 copies, and between the solve's blocks
+    # a large group: the heap's free pages back before its solve's fp32 copies, between the solve's blocks, and
+    # once its results are compacted (on leaving the block), wherever in the heap its freed blocks sit
     with giving_back_freed_memory() if large else contextlib.nullcontext():
         if experts is not None and g in plan.experts:
             got = experts.quantize(g, members, obs)
         else:  # nothing reads the group's Hessian after its solve, but a layer pass over a member
             obs.consumable = refining is None or not any(t.name in refining.floats for t in members)
             got = quantize_group(layer, plan.prefix, members, job, obs)
-    if refining is not None:
-        refining.keep(members, obs)
-    for r in got:  # what the layer pass reads no more: its typed form, 1 byte per weight (a large group's on disk)
-        if refining is None or r.name not in refining.floats:
-            compact(r, job.spill if large else None)
-    if large:
+        if refining is not None:
+            refining.keep(members, obs)
         del obs
-        release_free_memory()  # a large group's freed blocks, wherever in the heap they sit
+        for r in got:  # what the layer pass reads no more: its typed form (a large group's on disk)
+            if refining is None or r.name not in refining.floats:
+                compact(r, job.spill if large else None)
     return got
 
 

@@ -86,20 +86,17 @@ class SpilledTyped(Mapping):
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(dict(tensors), str(tmp))
         tmp.replace(path)
-        self.path, self._keys = path, list(tensors)
-        self._file = LazyCheckpoint(path.parent, files=[path])
+        self.path, self._file = path, LazyCheckpoint(path.parent, files=[path])
         weakref.finalize(self, path.unlink, missing_ok=True)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._file.get(key)
+        return self._file.get(key)  # (KeyError, naming the file, for a key it does not hold)
 
     def __iter__(self):
-        return iter(self._keys)
+        return iter(self._file.keys())
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._file.keys())
 
 
 def encode_result(r: ModuleResult) -> dict[str, torch.Tensor]:
