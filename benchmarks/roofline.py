@@ -17,8 +17,9 @@ conversion comes to it. Prints one JSON document (and writes it to --json-out wh
    - solve (GPTQ): per sequential group (its members share one input, so one factor) 2/3 in^3 (a Cholesky
      factorisation and a triangular inverse), plus per weight out in^2 (the error feedback, column by column
      and block by block);
-   - diagnostics: 2 out in^2 per weight (the output SQNR's signal W H W^T from the Hessian; GPTQ reports the
-     noise (W-Q) H (W-Q)^T from its own losses).
+   - diagnostics: the output SQNR's signal per weight, 2 T in out from the inputs where T <= in (|X W^T|^2
+     during the forward), else 2 out in^2 from the Hessian (W H W^T); GPTQ reports the noise (W-Q) H (W-Q)^T
+     from its own losses.
    `achieved` is FLOPs / seconds, `of_peak` that over the peak of the dtype the phase computes in (the
    compute dtype for the forward, and for the diagnostics' and, on the CPU, the Hessian's products where it is
    bf16; float32 for the rest). `ideal_s` is every modelled phase's FLOPs at its
@@ -73,7 +74,7 @@ def layer_flops(shape: str, method: str, tokens: int, seq_len: int) -> dict[str,
     h = scale.SHAPES[shape]["hidden_size"]
     forward = 2 * tokens * sum(o * i for _, o, i, _ in lin) + 2 * tokens * seq_len * h
     out = {"forward": float(forward) if method == "gptq" else 0.0,
-           "diagnostics": float(sum(2 * o * i * i for _, o, i, _ in lin)) if method == "gptq" else 0.0}
+           "diagnostics": float(sum(2 * o * i * min(tokens, i) for _, o, i, _ in lin)) if method == "gptq" else 0.0}
     if method == "gptq":
         group_in = {g: i for _, _, i, g in lin}
         out["hessian"] = float(sum(tokens * i * i for i in group_in.values()))

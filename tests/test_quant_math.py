@@ -10,6 +10,7 @@ import pytest
 import torch
 from compressed_tensors.compressors import BaseCompressor
 
+from quantkit.algorithms import bf16_gemm
 from quantkit.algorithms.gptq import HessianAccumulator, gptq_quantize
 from quantkit.algorithms.rtn import (check_divisible, compute_qparams, fake_quantize, fake_quantize_activations,
                                      dequantize_codes, output_sqnr_db, quantize_codes, rtn, sqnr_db)
@@ -286,6 +287,7 @@ def test_bf16_inputs_hessian_holds_a_quarter_of_them_in_fp32(monkeypatch, n):
 
     monkeypatch.setattr(gptq, "SLAB_ROWS", 32)
     monkeypatch.setattr(gptq, "BAND_BYTES", 0)  # (a band may be wider where it stays within BAND_BYTES)
+    monkeypatch.setattr(gptq, "_mkl_bf16_gemm", lambda: False)  # the torch path (AMX CPUs take MKL's GEMM)
     widths = []
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: (widths.append(b.shape[1]), real_mm(a, b))[1])
@@ -311,6 +313,7 @@ def test_bf16_inputs_hessian_runs_on_bf16_products_with_fp32_sums(monkeypatch, d
     from quantkit.algorithms import gptq
 
     monkeypatch.setattr(gptq, "_cpu_bf16_dots", lambda: True)
+    monkeypatch.setattr(gptq, "_mkl_bf16_gemm", lambda: False)  # the oneDNN path (AMX CPUs take MKL's GEMM)
     modes = []
     real_mm = torch.mm
 
@@ -329,6 +332,60 @@ def test_bf16_inputs_hessian_runs_on_bf16_products_with_fp32_sums(monkeypatch, d
     assert torch.backends.mkldnn.matmul.fp32_precision == before
     err = ((acc.H.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-5, err
+
+
+@pytest.mark.skipif(not bf16_gemm.available(), reason="this torch build exports no MKL bf16 GEMM")
+@pytest.mark.parametrize("n", [640, 96])  # two slabs, the second ragged; one slab
+def test_bf16_hessian_by_mkls_bf16_gemm(monkeypatch, n):
+    """The AMX path for bf16 inputs (forced here, so it runs on any CPU: MKL computes the same products without
+    AMX, only slower): H is 2/n X^T X within 1e-5 of a float64 sum, exactly symmetric, the same bits whether
+    chunks are added here or folded from partials, and the same as oneDNN's bf16 path would give within fp32
+    rounding; no fp32 copy of the inputs is made (no torch product runs at all)."""
+    from quantkit.algorithms import gptq
+
+    monkeypatch.setattr(gptq, "_cpu_bf16_dots", lambda: True)
+    monkeypatch.setattr(gptq, "_mkl_bf16_gemm", lambda: True)
+    real_mm = torch.mm
+    calls = []
+    monkeypatch.setattr(torch, "mm", lambda a, b: (calls.append(a.dtype), real_mm(a, b))[1])
+    X = (_inputs(1500, n) * 3).to(torch.bfloat16)
+    here, elsewhere, folded = HessianAccumulator(n), HessianAccumulator(n), HessianAccumulator(n)
+    for chunk in X.split(512):
+        here.add(chunk)
+        part, k = elsewhere.partial(chunk)
+        assert torch.equal(part.triu(1), torch.zeros_like(part))  # a partial is its lower triangle, the rest 0
+        folded.fold(part.clone(), k)
+    assert not calls
+    ref = 2 * X.double().t() @ X.double() / X.shape[0]
+    H = here.H
+    assert torch.equal(H, H.t()) and torch.equal(H, folded.H)
+    err = ((H.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+
+
+@pytest.mark.skipif(not bf16_gemm.available(), reason="this torch build exports no MKL bf16 GEMM")
+def test_bf16_gemm_writes_a_view_of_a_larger_matrix_with_fp32_sums():
+    """gemm_tn: a^T b from strided bf16 column blocks into a block of a larger fp32 matrix, against float64 (bf16
+    products are exact in fp32; only the sums round), leaving the rest of that matrix untouched; shapes and
+    dtypes it cannot read are refused by name."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(300, 200, generator=g) * 4).to(torch.bfloat16)
+    big = torch.full((150, 260), 7.0)
+    out = bf16_gemm.gemm_tn(x[:, 10:60], x[:, 20:200], big[40:90, 5:185])
+    ref = x[:, 10:60].double().t() @ x[:, 20:200].double()
+    assert out.data_ptr() == big[40:90, 5:185].data_ptr()
+    err = ((big[40:90, 5:185].double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-6, err
+    rest = big.clone()
+    rest[40:90, 5:185] = 7.0
+    assert torch.equal(rest, torch.full((150, 260), 7.0))
+    assert torch.equal(bf16_gemm.gemm_tn(x[:0, :3], x[:0, :4], torch.ones(3, 4)), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="a must be a 2-D torch.bfloat16"):
+        bf16_gemm.gemm_tn(x.float(), x, torch.empty(200, 200))
+    with pytest.raises(ValueError, match="out must be a 2-D torch.float32"):
+        bf16_gemm.gemm_tn(x, x, torch.empty(200, 200, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="do not match"):
+        bf16_gemm.gemm_tn(x, x[:10], torch.empty(200, 200))
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
@@ -521,3 +578,28 @@ def test_weight_sqnr_matches_a_float64_sum(shape):
     assert sqnr_db(ref, approx) == pytest.approx(exact, abs=1e-4)
     assert sqnr_db(ref.double(), approx.double()) == pytest.approx(exact, abs=1e-9)
     assert sqnr_db(ref, ref.float()) == float("inf")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-3)])
+def test_output_energies_from_the_inputs_are_the_hessians(dtype, tol):
+    """GroupInputs measures each member's output energy |X W^T|^2 chunk by chunk where there are no more tokens
+    than inputs; at H's scale (2/n) it is tr(W H W^T), against float64 from the same inputs and weights (bf16:
+    the products' outputs are rounded to bf16 before they are squared), and summed over chunks in fp64."""
+    from quantkit.distributed import ChunkLayout
+    from quantkit.quantize.layers import GroupInputs
+
+    g = torch.Generator().manual_seed(5)
+    X = (_inputs(3 * 40, 160) * 2).to(dtype)  # 120 tokens in 3 chunks of 40, 160 inputs
+    mods = [torch.nn.Linear(160, out, bias=False).to(dtype) for out in (48, 200)]
+    for m in mods:
+        m.weight.data = (torch.randn(m.weight.shape, generator=g) * 0.05).to(dtype)
+    gi = GroupInputs(True, ChunkLayout.of(3, 1, 40), signal_of=[("a", mods[0]), ("b", mods[1])])
+    for chunk in X.split(40):
+        gi.add(chunk, gi.energies(chunk))
+    obs = gi.observations()
+    assert obs.signals.keys() == {"a", "b"}
+    for name, m in zip("ab", mods):
+        ref = float((X.double() @ m.weight.detach().double().t()).pow(2).sum()) * 2 / X.shape[0]
+        assert obs.signals[name] == pytest.approx(ref, rel=tol), name
+    many = GroupInputs(True, ChunkLayout.of(3, 1, 80), signal_of=[("a", mods[0])])  # 240 tokens > 160 inputs
+    assert many.energies(X[:80]) is None  # then they come from H (hessian_energy)

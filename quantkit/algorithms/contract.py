@@ -26,6 +26,9 @@ class Observations:
 
     hessian: torch.Tensor | None = None  # [in, in] fp32, over every calibration token (quantizers that need it)
     sample: torch.Tensor | None = None  # [<= SQNR_TOKENS, in] the first calibration rows (diagnostics only)
+    # a member's output energy tr(W H W^T) (the output SQNR's signal), where it was measured from the inputs
+    # themselves during the forward (quantkit/quantize/layers.py: GroupInputs); by the module's name
+    signals: dict[str, float] = field(default_factory=dict)
     # the quantizer may overwrite `hessian` (GPTQ makes its factor in H's buffer): set by the pipeline only where
     # nothing reads H after the solve
     consumable: bool = False
