@@ -166,6 +166,7 @@ def test_gptq_sweep_by_spans_of_blocks_is_the_same_update(monkeypatch, span):
     W, X = _weight(128, 320), _inputs(1200, 320)  # 320 inputs: blocks of 64 make 5, spans of 3 make 2
     f = gptq.gptq_factor(2 * X.t() @ X / X.shape[0])
     monkeypatch.setattr(gptq, "SPAN_BLOCKS", span)
+    monkeypatch.setattr(gptq, "SPAN_FROM", 256)  # (spans from 4,096 inputs in the pipeline)
     res = gptq.gptq_solve(W, f, spec, block_size=64)
     monkeypatch.setattr(gptq, "SPAN_BLOCKS", 1)
     monkeypatch.setattr(gptq.sweep_kernel, "kernel", lambda: None)  # the torch loop, which runs in float64 too

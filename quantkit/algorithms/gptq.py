@@ -433,6 +433,7 @@ def gptq_solve(W: torch.Tensor, f: Factor, spec: WeightSpec, block_size: int = 1
 
 GIVE_BACK_EVERY = 8  # blocks of the sweep between two returns of the freed heap, where the caller asks for them
 SPAN_BLOCKS = 8  # blocks whose errors the columns after them take in one product (static groups: `_column_loop`)
+SPAN_FROM = 4096  # inputs from which the sweep goes by spans (measured at 4,096 and 14,336; below, one block)
 STACK_WEIGHTS = 16 << 20  # weights swept together at most: fp32 copies of W and Q of 128 MB
 
 
@@ -576,12 +577,16 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
     column still has every earlier column's error when it is rounded; in fp32 0.14% of an 8B down_proj's codes
     land on the other side of a rounding edge, its loss the same to 2e-5); each pass over the trailing columns
     then carries 8x the work: on 2 AMX cores an 8B down_proj's whole sweep took 4.7-4.8 s instead of 5.9-6.4 s
-    (4 blocks a span: 5.2-5.4 s, 16: 4.6-4.8 s), gate_proj's 2.1-2.2 s instead of 2.4-2.7 s. Group act-order
-    keeps one block at a time: it chooses a group's scales from columns that may lie past the span."""
+    (4 blocks a span: 5.2-5.4 s, 16: 4.6-4.8 s), gate_proj's 2.1-2.2 s instead of 2.4-2.7 s. Below SPAN_FROM
+    inputs the sweep keeps one block at a time, where the trailing products are small and spans were not
+    measured faster: another order of sums is another draw of the codes on rounding edges (the demo model's
+    GPTQ in bf16 gave held-out perplexity 37.74 / 38.25 / 38.48 with spans of 2 / 4 / 8 blocks against 38.05
+    with one), which is no gain where nothing is faster. Group act-order keeps one block at a time: it
+    chooses a group's scales from columns that may lie past the span."""
     W = s.W
     in_f = W.shape[1]
     compiled = sweep_kernel.kernel() if s.spec.type == "int" and W.device.type == "cpu" else None
-    span = block_size * (SPAN_BLOCKS if s.qp_static is not None else 1)
+    span = block_size * (SPAN_BLOCKS if s.qp_static is not None and in_f >= SPAN_FROM else 1)
     for o1 in range(0, in_f, span):
         o2 = min(o1 + span, in_f)
         errors = []
