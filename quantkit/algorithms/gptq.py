@@ -574,10 +574,11 @@ def _column_loop(s: _Sweep, block_size: int) -> None:
     Where the scales are fixed up front (static groups, or none), the blocks are swept SPAN_BLOCKS at a time:
     a block's errors go at once only to the rest of its span, and the columns after the span take the whole
     span's errors in one product of depth SPAN_BLOCKS x block_size. The same updates in exact arithmetic (each
-    column still has every earlier column's error when it is rounded; in fp32 0.14% of an 8B down_proj's codes
-    land on the other side of a rounding edge, its loss the same to 2e-5); each pass over the trailing columns
-    then carries 8x the work: on 2 AMX cores an 8B down_proj's whole sweep took 4.7-4.8 s instead of 5.9-6.4 s
-    (4 blocks a span: 5.2-5.4 s, 16: 4.6-4.8 s), gate_proj's 2.1-2.2 s instead of 2.4-2.7 s. Below SPAN_FROM
+    column still has every earlier column's error when it is rounded; in fp32 0.12% of an 8B down_proj's codes
+    land on the other side of a rounding edge, its loss the same to 4e-6); each pass over the trailing columns
+    then carries 8x the work. On 2 AMX cores (`python benchmarks/gptq_sweep.py`) an 8B down_proj's whole sweep
+    took 4.8-5.2 s instead of 5.3-5.5 s, gate_proj's 2.1-2.2 s instead of 2.2-2.3 s; an earlier window with an
+    ad-hoc script, 4.7-4.8 s instead of 5.9-6.4 s (4 blocks a span: 5.2-5.4 s, 16: 4.6-4.8 s). Below SPAN_FROM
     inputs the sweep keeps one block at a time, where the trailing products are small and spans were not
     measured faster: another order of sums is another draw of the codes on rounding edges (the demo model's
     GPTQ in bf16 gave held-out perplexity 37.74 / 38.25 / 38.48 with spans of 2 / 4 / 8 blocks against 38.05

@@ -345,8 +345,10 @@ class GroupInputHooks:
             h.remove()
 
     def observations(self, g: int) -> Observations:
-        """Group g's statistics once every chunk has added its input (then dropped: they can be large)."""
-        obs = self.inputs[g].observations()
+        """Group g's statistics once every chunk has added its input (then dropped: they can be large). Their
+        making (across processes, the last partials; H made whole and scaled) is the Hessian's time."""
+        with self.timing.measure("hessian" if self.inputs[g].hessian else "diagnostics"):
+            obs = self.inputs[g].observations()
         self.inputs[g] = None
         return obs
 
@@ -484,9 +486,10 @@ def _quantize_observed_group(layer: nn.Module, plan: LayerPlan, g: int, members:
         if refining is not None:
             refining.keep(members, obs)
         del obs
-        for r in got:  # what the layer pass reads no more: its typed form (a large group's on disk)
-            if refining is None or r.name not in refining.floats:
-                compact(r, job.spill if large else None)
+        with job.timing.measure("save"):  # what the layer pass reads no more: its typed form (a large group's on disk)
+            for r in got:
+                if refining is None or r.name not in refining.floats:
+                    compact(r, job.spill if large else None)
     return got
 
 

@@ -3,8 +3,9 @@ sets each phase's seconds against its FLOPs and this machine's matmul peak).
 
 Phases measured directly, summed over layers: `load` (a layer's tensors from the checkpoint into the compute
 dtype), `capture` (the embedding and the first layer's inputs), `hessian` (X^T X of every group input that a
-GPTQ-family stage needs), `solve` (the quantizers), `diagnostics` (each weight's SQNR), `transforms` (AWQ /
-SmoothQuant searches), `refine` (autoround's learned rounding), `save` (the layer's results to the work folder).
+GPTQ-family stage needs, and H made whole once its chunks are in), `solve` (the quantizers), `diagnostics` (each
+weight's SQNR), `transforms` (AWQ / SmoothQuant searches), `refine` (autoround's learned rounding), `save` (the
+layer's results to the work folder, and each group's results made typed, codes and all, as it is solved).
 `layer` is each layer's whole visit; `forward` is what is left of it once the phases inside are taken out: the
 calibration forward through the layer (with the chunks' scheduling). On CUDA the clock is read after a
 synchronize, so a phase is charged with the kernels it launched.
