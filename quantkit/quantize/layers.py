@@ -138,7 +138,7 @@ class GroupInputs:
         if self.acc is None:  # a rank that has not seen a chunk of this group yet
             self.acc = HessianAccumulator(payload[0].shape[-1], device=payload[0].device)
         self.acc.fold(payload[0].to(self.acc._acc.device), int(payload[1].item()))
-        self._add_energy(payload[2] if len(payload) > 2 else None)
+        self._add_energy(payload[2])  # (None where the owner measured none: `share` keeps None entries)
 
     def _fold_rows(self, payload) -> None:
         if payload[0].numel():
