@@ -49,15 +49,21 @@ SLAB_ROWS = 512  # rows of H computed per product: the work buffers are SLAB_ROW
 # inputs that are not fp32 are made fp32 a band at a time: whole slabs, at most 1/BANDS of the columns, or more
 # where that stays within BAND_BYTES (a small model's inputs are converted once, in one band)
 BANDS, BAND_BYTES = 4, 32 << 20
+# H of up to NARROW_INPUTS inputs by slabs of NARROW_SLAB_ROWS on the torch paths: a slab's diagonal block computes
+# its upper half for nothing, and narrow slabs waste less of it. Measured (2-core AVX-512 EPYC, 4,096 tokens per
+# chunk, median of 7): fp32 576 / 1536 inputs 14.3 / 78.3 ms at 512 rows, 10.6 / 69.9 ms at 128; bf16 inputs (oneDNN's
+# bf16 mode) 6.6 / 32.9 ms -> 4.8 / 29.3 ms; from 4,096 inputs 128-row slabs were slower (bf16 266 vs 222 ms).
+NARROW_INPUTS, NARROW_SLAB_ROWS = 2048, 128
 
 
 class HessianAccumulator:
     """H = 2/n sum x x^T over calibration tokens, in fp32, accumulated chunk by chunk.
 
-    H is symmetric, so only its lower triangle is computed, a slab of SLAB_ROWS rows at a time: the block left
-    of the diagonal, and the diagonal block (whose upper half is computed and dropped), by one torch product
-    each. A chunk's product is added to the sum slab by slab (`add`), so no [in, in] temporary is ever made: for
-    Llama-3.1-8B's down_proj that is 822 MB less at the conversion's peak. (Not scipy's `ssyrk`, which did the
+    H is symmetric, so only its lower triangle is computed, a slab of rows at a time (SLAB_ROWS, or NARROW_SLAB_ROWS
+    up to NARROW_INPUTS inputs): the block left of the diagonal, and the diagonal block (whose upper half is
+    computed and dropped), by one torch product each. A chunk's product is added to the sum slab by slab
+    (`add`), so no [in, in] temporary is ever made: for Llama-3.1-8B's down_proj that is 822 MB less at the
+    conversion's peak. (Not scipy's `ssyrk`, which did the
     triangle in half the flops: OpenBLAS's threads spin for a while after each call, and on 2 cores the torch
     work that follows then waited ~50 ms a call for a core; on 2 AMX cores torch's slabs of 512 rows took
     9 / 51 / 324 ms per 4096-token chunk where ssyrk took 14 / 59 / 339 for 576 / 1536 / 4096 inputs.)
@@ -125,22 +131,23 @@ def _add_lower_gram_(target: torch.Tensor, x: torch.Tensor) -> int:
     if exact_bf16 and _mkl_bf16_gemm():
         _lower_gram_bf16_gemm_(target, x.contiguous())
         return x.shape[0]
+    slab = min(SLAB_ROWS, NARROW_SLAB_ROWS) if x.shape[1] <= NARROW_INPUTS else SLAB_ROWS
     with _bf16_products(exact_bf16):
         if x.dtype == torch.float32:
-            _lower_gram_band_(target, x.contiguous(), 0)
+            _lower_gram_band_(target, x.contiguous(), 0, slab=slab)
         else:
-            _lower_gram_bands_(target, x)
+            _lower_gram_bands_(target, x, slab)
     return x.shape[0]
 
 
 def _lower_gram_band_(target: torch.Tensor, band: torch.Tensor, b0: int,
-                      left: tuple[int, torch.Tensor] | None = None, own: bool = True) -> None:
-    """Into target's rows b0.. (the band's columns), a slab of SLAB_ROWS rows at a time: with `left` (l0, the
+                      left: tuple[int, torch.Tensor] | None = None, own: bool = True, slab: int = SLAB_ROWS) -> None:
+    """Into target's rows b0.. (the band's columns), a slab of `slab` rows at a time: with `left` (l0, the
     fp32 columns l0.. of an earlier band), the band against them; with `own`, the lower triangle of the band
     against itself (`band` then fp32). A slab that is not fp32 is converted alone."""
     n = band.shape[1]
-    for r0 in range(0, n, SLAB_ROWS):
-        r1 = min(r0 + SLAB_ROWS, n)
+    for r0 in range(0, n, slab):
+        r1 = min(r0 + slab, n)
         cols = band[:, r0:r1].float()  # (no copy where fp32)
         rows = target[b0 + r0:b0 + r1]
         if left is not None:
@@ -152,7 +159,7 @@ def _lower_gram_band_(target: torch.Tensor, band: torch.Tensor, b0: int,
             rows[:, b0 + r0:b0 + r1].add_(torch.mm(cols.t(), cols).tril_())
 
 
-def _lower_gram_bands_(target: torch.Tensor, x: torch.Tensor) -> None:
+def _lower_gram_bands_(target: torch.Tensor, x: torch.Tensor, slab: int) -> None:
     """The same products for inputs that are not fp32 (bf16 compute), a band of them in fp32 at a time: the
     columns cut into bands of whole slabs, a quarter of them (BANDS) or what fits in BAND_BYTES; each band in
     turn is made fp32 for its own triangle, then the later bands' slabs, each converted alone, are multiplied
@@ -160,16 +167,16 @@ def _lower_gram_bands_(target: torch.Tensor, x: torch.Tensor) -> None:
     (BANDS + 1) / 2 times instead of once, and the peak holds a band of them in fp32 (an 8B down_proj's 4,096
     tokens: 59 MB instead of 235 MB beside its 822 MB Hessian, where the conversion's peak sits)."""
     n = x.shape[1]
-    quarter = -(-n // (BANDS * SLAB_ROWS)) * SLAB_ROWS  # n / BANDS, rounded up to whole slabs
-    small = BAND_BYTES // (4 * x.shape[0]) // SLAB_ROWS * SLAB_ROWS  # whole slabs within BAND_BYTES of fp32
-    width = max(quarter, small, SLAB_ROWS)
+    quarter = -(-n // (BANDS * slab)) * slab  # n / BANDS, rounded up to whole slabs
+    small = BAND_BYTES // (4 * x.shape[0]) // slab * slab  # whole slabs within BAND_BYTES of fp32
+    width = max(quarter, small, slab)
     starts = range(0, n, width)
     for b0 in starts:
         band = x[:, b0:b0 + width].float()
-        _lower_gram_band_(target, band, b0)
+        _lower_gram_band_(target, band, b0, slab=slab)
         for c0 in starts:
             if c0 > b0:
-                _lower_gram_band_(target, x[:, c0:c0 + width], c0, left=(b0, band), own=False)
+                _lower_gram_band_(target, x[:, c0:c0 + width], c0, left=(b0, band), own=False, slab=slab)
         del band
 
 
