@@ -31,6 +31,9 @@ os.environ.setdefault("QUANTKIT_PREFLIGHT", "capability")
 # no MLflow run per CLI call (each test's fresh store costs seconds of migrations); tests/test_tracking*.py
 # turn it back on where tracking is what they test
 os.environ.setdefault("QUANTKIT_NO_TRACK", "1")
+# no hub here: set before any test imports `datasets` or `huggingface_hub`, which read it once at import (set only
+# per test, a hub dataset that cannot be found took 23 s of connection retries before its error)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
