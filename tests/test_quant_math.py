@@ -304,6 +304,26 @@ def test_hessian_by_slabs_is_the_symmetric_gram_matrix(monkeypatch, slab):
     assert torch.allclose(H.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_hessians_take_narrow_slabs(monkeypatch, dtype):
+    """Up to NARROW_INPUTS inputs H is made by slabs of NARROW_SLAB_ROWS rows (less of each diagonal block
+    computed for nothing), wider ones by SLAB_ROWS; either way H is 2/n X^T X against float64."""
+    from quantkit.algorithms import gptq
+
+    monkeypatch.setattr(gptq, "_mkl_bf16_gemm", lambda: False)  # the torch paths (AMX CPUs take MKL's GEMM)
+    rows = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: (rows.append(a.shape[0]), real_mm(a, b))[1])
+    for n, slab in ((gptq.NARROW_INPUTS, gptq.NARROW_SLAB_ROWS), (gptq.NARROW_INPUTS + 64, gptq.SLAB_ROWS)):
+        rows.clear()
+        X = (torch.randn(16, n, generator=torch.Generator().manual_seed(n)) * 2).to(dtype)
+        acc = HessianAccumulator(n)
+        acc.add(X)
+        assert max(rows) == slab and len(rows) >= n // slab  # slabs of that height, every one of them
+        ref = 2 * X.double().t() @ X.double() / X.shape[0]
+        assert torch.allclose(acc.H.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("n", [256, 190])  # bands of two slabs: 4 x 64, and 64 + 64 + 62 with a ragged last slab
 def test_bf16_inputs_hessian_holds_a_quarter_of_them_in_fp32(monkeypatch, n):
     """Inputs that are not fp32 are made fp32 a band of at most a quarter of their columns (whole slabs) at a

@@ -63,10 +63,10 @@ class HessianAccumulator:
     up to NARROW_INPUTS inputs): the block left of the diagonal, and the diagonal block (whose upper half is
     computed and dropped), by one torch product each. A chunk's product is added to the sum slab by slab
     (`add`), so no [in, in] temporary is ever made: for Llama-3.1-8B's down_proj that is 822 MB less at the
-    conversion's peak. (Not scipy's `ssyrk`, which did the
-    triangle in half the flops: OpenBLAS's threads spin for a while after each call, and on 2 cores the torch
-    work that follows then waited ~50 ms a call for a core; on 2 AMX cores torch's slabs of 512 rows took
-    9 / 51 / 324 ms per 4096-token chunk where ssyrk took 14 / 59 / 339 for 576 / 1536 / 4096 inputs.)
+    conversion's peak. (Not scipy's `ssyrk`, which did the triangle in half the flops: OpenBLAS's threads spin
+    for a while after each call, and on 2 cores the torch work that follows then waited ~50 ms a call for a
+    core; on 2 AMX cores torch's slabs of 512 rows took 9 / 51 / 324 ms per 4096-token chunk where ssyrk took
+    14 / 59 / 339 for 576 / 1536 / 4096 inputs.)
     Across processes (quantkit/distributed.py) each chunk's whole product is made by its owner (`partial`,
     from the same slab products) and added in chunk order on every rank (`fold`), which gives the sum here
     bit for bit: every element is the same product added to the same running sum. Read `H` for the full
