@@ -131,17 +131,18 @@ def _add_lower_gram_(target: torch.Tensor, x: torch.Tensor) -> int:
     if exact_bf16 and _mkl_bf16_gemm():
         _lower_gram_bf16_gemm_(target, x.contiguous())
         return x.shape[0]
+    # (never above SLAB_ROWS: the work buffers' bound, which the tests also lower to cut small H into slabs)
     slab = min(SLAB_ROWS, NARROW_SLAB_ROWS) if x.shape[1] <= NARROW_INPUTS else SLAB_ROWS
     with _bf16_products(exact_bf16):
         if x.dtype == torch.float32:
-            _lower_gram_band_(target, x.contiguous(), 0, slab=slab)
+            _lower_gram_band_(target, x.contiguous(), 0, slab)
         else:
             _lower_gram_bands_(target, x, slab)
     return x.shape[0]
 
 
 def _lower_gram_band_(target: torch.Tensor, band: torch.Tensor, b0: int,
-                      left: tuple[int, torch.Tensor] | None = None, own: bool = True, slab: int = SLAB_ROWS) -> None:
+                      slab: int, left: tuple[int, torch.Tensor] | None = None, own: bool = True) -> None:
     """Into target's rows b0.. (the band's columns), a slab of `slab` rows at a time: with `left` (l0, the
     fp32 columns l0.. of an earlier band), the band against them; with `own`, the lower triangle of the band
     against itself (`band` then fp32). A slab that is not fp32 is converted alone."""
@@ -173,10 +174,10 @@ def _lower_gram_bands_(target: torch.Tensor, x: torch.Tensor, slab: int) -> None
     starts = range(0, n, width)
     for b0 in starts:
         band = x[:, b0:b0 + width].float()
-        _lower_gram_band_(target, band, b0, slab=slab)
+        _lower_gram_band_(target, band, b0, slab)
         for c0 in starts:
             if c0 > b0:
-                _lower_gram_band_(target, x[:, c0:c0 + width], c0, left=(b0, band), own=False, slab=slab)
+                _lower_gram_band_(target, x[:, c0:c0 + width], c0, slab, left=(b0, band), own=False)
         del band
 
 

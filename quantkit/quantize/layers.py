@@ -97,6 +97,11 @@ class GroupInputs:
         # Hessian partials are [in, in] each: exchanged round by round; the rows are few: exchanged at the end
         self._fold = ChunkFold(layout, self._fold_hessian if hessian else self._fold_rows, eager=hessian)
 
+    @property
+    def phase(self) -> str:
+        """The timing phase its statistics are charged to: the Hessian's, or (SQNR rows only) the diagnostics'."""
+        return "hessian" if self.hessian else "diagnostics"
+
     def energies(self, x: torch.Tensor) -> torch.Tensor | None:
         """One chunk's output energy per member ([members] fp64), or None where they are not measured here
         (no members named, or T > in: then they come from H)."""
@@ -334,7 +339,7 @@ class GroupInputHooks:
             def pre_hook(_m, args, g=g):
                 with self.timing.measure("diagnostics"):
                     energy = self.inputs[g].energies(args[0])
-                with self.timing.measure("hessian" if self.inputs[g].hessian else "diagnostics"):
+                with self.timing.measure(self.inputs[g].phase):
                     self.inputs[g].add(args[0], energy)
                 pause_chunk()
 
@@ -347,7 +352,7 @@ class GroupInputHooks:
     def observations(self, g: int) -> Observations:
         """Group g's statistics once every chunk has added its input (then dropped: they can be large). Their
         making (across processes, the last partials; H made whole and scaled) is the Hessian's time."""
-        with self.timing.measure("hessian" if self.inputs[g].hessian else "diagnostics"):
+        with self.timing.measure(self.inputs[g].phase):
             obs = self.inputs[g].observations()
         self.inputs[g] = None
         return obs
